@@ -1,0 +1,280 @@
+"""The CPU tinygemm W4A16 layout: measured, fingerprinted, exactly invertible.
+
+Math (torchao's "tinygemm" affine scheme, float zero point, per group of G input channels along K)::
+
+    w[n, k] ~= (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]        q in 0..15 (uint4)
+
+Tensors as stored and as the kernel consumes them:
+
+- ``qweight``: uint8 [N, K/2], the output of ``aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)``;
+- ``scales_and_zeros``: bf16 [K/G, N, 2], ``[..., 0]`` the scale, ``[..., 1]`` the zero;
+- ``aten._weight_int4pack_mm_for_cpu(x bf16 [M, K], qweight, G, scales_and_zeros) -> bf16 [M, N]``.
+
+The packing is not documented and depends on the CPU capability torch dispatches to, so it is *measured*
+(:func:`probe`): a position-coded matrix is packed and the permutation read back. What torch 2.13 does, as measured
+on this project's machines (the probe re-derives it on every machine; nothing below is assumed by the code):
+
+- rows are cut into blocks of ``block_n`` rows (64 on AVX512, 32 on AVX2 and the default path) and a tail block of
+  ``N % block_n`` rows (a multiple of 16); block b occupies exactly its own rows of the [N, K/2] tensor;
+- inside a block of s rows the bytes are k-major: ``s/2`` bytes for k = 0, then for k = 1, ...; nibble position
+  ``p`` (``p = 2*j`` the low nibble of byte j, ``2*j + 1`` its high nibble) holds row ``n0 + perm_s[p]``;
+- full AVX512/AVX2 blocks interleave halves (``perm = [0, s/2, 1, s/2 + 1, ...]``); tails and the default
+  path hold adjacent rows (``perm = [0, 1, 2, ...]``).
+
+Worked example (AVX512, s = 64, K = 2): the first byte of block 0 is ``q[0, 0] | q[32, 0] << 4``, the 33rd byte
+is ``q[0, 1] | q[32, 1] << 4``.
+
+The measured permutations are stored in the checkpoint's manifest, so any machine can unpack any checkpoint exactly
+(and repack it for its own kernel), and the fingerprint says whether the stored bytes are the kernel's own here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from edgeq.errors import EdgeqError
+
+PACK_OP = "aten::_convert_weight_to_int4pack_for_cpu"
+MM_OP = "aten::_weight_int4pack_mm_for_cpu"
+KERNEL = "tinygemm_w4a16"
+ROW_MULTIPLE = 16  # the pack op requires N % 16 == 0
+GROUP_SIZES = (32, 64, 128, 256)  # the mm op requires qGroupSize in this set
+
+
+@dataclass(frozen=True)
+class TinygemmLayout:
+    """A measured tinygemm packing: the row-block size and the nibble order of every block size.
+
+    ``perms`` maps a block's row count (``block_n`` for full blocks, smaller for the tail) to the tuple
+    ``perm`` with ``perm[p] = row offset held by nibble position p``.
+    """
+
+    block_n: int
+    perms: tuple[tuple[int, tuple[int, ...]], ...]
+    torch_version: str = ""
+    cpu_capability: str = ""
+    op: str = PACK_OP
+
+    @property
+    def layout_hash(self) -> str:
+        """sha256 over the op name, block size and permutations: equal hashes mean identical bytes."""
+        payload = json.dumps({"op": self.op, "block_n": self.block_n, "perms": [[s, list(p)] for s, p in self.perms]})
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def perm(self, rows: int) -> tuple[int, ...]:
+        for s, p in self.perms:
+            if s == rows:
+                return p
+        raise EdgeqError(f"layout has no measured block of {rows} rows (block_n={self.block_n}); repack the checkpoint")
+
+    def blocks(self, n: int) -> list[tuple[int, int, int]]:
+        """``(first_row, block_rows, count)`` runs covering n rows: full blocks, then the tail."""
+        if n % ROW_MULTIPLE:
+            raise EdgeqError(f"N={n} is not a multiple of {ROW_MULTIPLE} (tinygemm packs rows in 16s)")
+        full, tail = divmod(n, self.block_n)
+        runs = [(0, self.block_n, full)] if full else []
+        if tail:
+            runs.append((full * self.block_n, tail, 1))
+        return runs
+
+    def fingerprint(self) -> dict:
+        return {
+            "op": self.op,
+            "torch_version": self.torch_version,
+            "cpu_capability": self.cpu_capability,
+            "block_n": self.block_n,
+            "layout_hash": self.layout_hash,
+        }
+
+    def to_json(self) -> dict:
+        return {**self.fingerprint(), "perms": {str(s): list(p) for s, p in self.perms}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TinygemmLayout":
+        try:
+            layout = cls(
+                block_n=int(d["block_n"]),
+                perms=tuple(sorted((int(s), tuple(int(v) for v in p)) for s, p in d["perms"].items())),
+                torch_version=str(d.get("torch_version", "")),
+                cpu_capability=str(d.get("cpu_capability", "")),
+                op=str(d.get("op", PACK_OP)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise EdgeqError(f"layout record is malformed ({e}); re-quantise or `edgeq repack` the checkpoint") from e
+        if "layout_hash" in d and d["layout_hash"] != layout.layout_hash:
+            raise EdgeqError("layout record's layout_hash does not match its permutations: the manifest was edited or corrupted")
+        for s, p in layout.perms:
+            if sorted(p) != list(range(s)):
+                raise EdgeqError(f"layout record: block of {s} rows is not a permutation")
+        return layout
+
+    def is_compatible(self, other: "TinygemmLayout") -> bool:
+        return self.op == other.op and self.layout_hash == other.layout_hash
+
+
+def _op_pack(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def _measure_positions(n: int, k: int) -> torch.Tensor:
+    """Pack a position-coded [n, k] matrix digit by digit (4 bits a pass); return the source index of every nibble,
+    in memory order (int64 [n * k])."""
+    idx = torch.arange(n * k, dtype=torch.int64).reshape(n, k)
+    src = torch.zeros(n * k // 2, 2, dtype=torch.int64)
+    for d in range(max(1, math.ceil(math.log(n * k, 16)))):
+        packed = _op_pack((idx >> (4 * d)) & 15).to(torch.int64).reshape(-1)
+        src[:, 0] += (packed & 15) << (4 * d)
+        src[:, 1] += (packed >> 4) << (4 * d)
+    return src.reshape(-1)
+
+
+def _block_perm(src: torch.Tensor, n0: int, s: int, k: int) -> tuple[int, ...]:
+    """Read the nibble order of the block of s rows starting at row n0; check it is k-major and the same for all k."""
+    region = src[n0 * k : (n0 + s) * k].reshape(k, s)
+    rows, cols = region // k, region % k
+    perm = rows[0] - n0
+    if not bool((cols == torch.arange(k).unsqueeze(1)).all()) or not bool((rows - n0 == perm).all()):
+        raise EdgeqError(
+            f"{PACK_OP} packs a block of {s} rows in an order edgeq does not model (not k-major); "
+            f"torch {torch.__version__} is not supported by this edgeq version"
+        )
+    if sorted(perm.tolist()) != list(range(s)):
+        raise EdgeqError(f"{PACK_OP}: block of {s} rows at row {n0} mixes rows of other blocks")
+    return tuple(perm.tolist())
+
+
+def _first_block_rows(src: torch.Tensor, k: int) -> int:
+    """Rows in the first block = nibbles before k changes (k-major order)."""
+    cols = src % k
+    changes = torch.nonzero(cols != cols[0])
+    return int(changes[0]) if len(changes) else int(src.numel() // k)
+
+
+@lru_cache(maxsize=None)
+def probe() -> TinygemmLayout:
+    """Measure the packing on this machine (a few ms): block size, permutations, then verify on random data."""
+    k = 4
+    src = _measure_positions(256, k)
+    block_n = _first_block_rows(src, k)
+    if block_n % ROW_MULTIPLE or 256 % block_n:
+        raise EdgeqError(f"{PACK_OP}: measured block of {block_n} rows; edgeq expects a multiple of 16 dividing 256")
+    perms = {block_n: _block_perm(src, 0, block_n, k)}
+    for tail in range(ROW_MULTIPLE, block_n, ROW_MULTIPLE):
+        n = 2 * block_n + tail
+        s = _measure_positions(n, k)
+        if _first_block_rows(s[2 * block_n * k :], k) != tail:
+            raise EdgeqError(f"{PACK_OP}: a tail of {tail} rows is split further; not modelled")
+        perms[tail] = _block_perm(s, 2 * block_n, tail, k)
+    layout = TinygemmLayout(
+        block_n=block_n,
+        perms=tuple(sorted(perms.items())),
+        torch_version=torch.__version__,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    )
+    _verify(layout)
+    return layout
+
+
+def _verify(layout: TinygemmLayout) -> None:
+    """The derived model must reproduce the op bit for bit on random values, tails included."""
+    g = torch.Generator().manual_seed(0)
+    for n in (layout.block_n, 3 * layout.block_n + ROW_MULTIPLE, 2 * layout.block_n + layout.block_n - ROW_MULTIPLE, 16):
+        q = torch.randint(0, 16, (n, 96), generator=g, dtype=torch.uint8)
+        if not torch.equal(pack(q, layout), _op_pack(q)):
+            raise EdgeqError(f"{PACK_OP}: measured layout does not reproduce the op for N={n}; not supported")
+        if not torch.equal(unpack(_op_pack(q), n, 96, layout), q):
+            raise EdgeqError(f"{PACK_OP}: measured unpack is not the inverse for N={n}; not supported")
+
+
+def check_values(q: torch.Tensor, name: str = "weight") -> None:
+    """The pack op does not mask its input: a value outside 0..15 silently corrupts the neighbouring nibble."""
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise EdgeqError(f"{name}: quantised values must lie in 0..15, got {int(q.min())}..{int(q.max())}")
+
+
+def check_shapes(name: str, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> tuple[int, int]:
+    """Everything the mm op does not check; returns (N, K). A wrong ``scales_and_zeros.shape[0]`` reads out of bounds."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise EdgeqError(f"{name}.qweight: expected uint8 [N, K/2], got {qweight.dtype} {list(qweight.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise EdgeqError(f"{name}: K={k} must be a multiple of the group size {group_size} (one of {GROUP_SIZES})")
+    want = [k // group_size, n, 2]
+    if scales_and_zeros.dtype != torch.bfloat16 or list(scales_and_zeros.shape) != want:
+        raise EdgeqError(
+            f"{name}.scales_and_zeros: expected bf16 {want} for N={n}, K={k}, G={group_size}, "
+            f"got {scales_and_zeros.dtype} {list(scales_and_zeros.shape)}"
+        )
+    if n % ROW_MULTIPLE:
+        raise EdgeqError(f"{name}: N={n} is not a multiple of {ROW_MULTIPLE}")
+    return n, k
+
+
+def pack(q: torch.Tensor, layout: TinygemmLayout) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> uint8 [N, K/2] in ``layout`` (equals the op's output when layout = probe())."""
+    check_values(q)
+    n, k = q.shape
+    out = torch.empty(n, k // 2, dtype=torch.uint8)
+    flat = out.view(-1)
+    for n0, s, count in layout.blocks(n):
+        perm = torch.tensor(layout.perm(s))
+        rows = q[n0 : n0 + s * count].to(torch.uint8).reshape(count, s, k)
+        nib = rows[:, perm, :].permute(0, 2, 1)  # [count, K, s]: position p holds row perm[p]
+        byte = nib[..., 0::2] | (nib[..., 1::2] << 4)
+        flat[n0 * k // 2 : (n0 + s * count) * k // 2] = byte.reshape(-1)
+    return out
+
+
+def unpack(qweight: torch.Tensor, n: int, k: int, layout: TinygemmLayout, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """uint8 [N, K/2] packed -> uint8 [N, K] values 0..15; the exact inverse of :func:`pack`.
+
+    ``rows=(a, b)`` unpacks only rows a..b (both on block boundaries, or b = N): the prefill path dequantises a
+    weight one row block at a time into scratch.
+    """
+    a, b = rows if rows is not None else (0, n)
+    flat = qweight.reshape(-1)
+    out = torch.empty(b - a, k, dtype=torch.uint8)
+    for n0, s, count in layout.blocks(n):
+        lo, hi = max(a, n0), min(b, n0 + s * count)
+        if lo >= hi:
+            continue
+        if (lo - n0) % s or ((hi - n0) % s and hi != b):
+            raise EdgeqError(f"unpack rows {a}..{b} do not fall on {s}-row block boundaries")
+        c = -(-(hi - lo) // s)
+        byte = flat[lo * k // 2 : (lo + s * c) * k // 2].reshape(c, k, s // 2)
+        nib = torch.stack((byte & 15, byte >> 4), dim=-1).reshape(c, k, s)
+        blk = torch.empty_like(nib)
+        blk[..., torch.tensor(layout.perm(s))] = nib
+        out[lo - a : hi - a] = blk.permute(0, 2, 1).reshape(c * s, k)[: hi - lo]
+    return out
+
+
+def row_block(layout: TinygemmLayout, target_rows: int) -> int:
+    """A row-block size near ``target_rows`` that is a whole number of layout blocks (so packing a row block gives
+    exactly the bytes of those rows in the whole tensor's packing)."""
+    return max(layout.block_n, (target_rows // layout.block_n) * layout.block_n)
+
+
+def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype=torch.float32) -> torch.Tensor:
+    """(q - 8) * scale + zero, broadcast per group: q uint8 [N, K], scales_and_zeros [K/G, N, 2] -> [N, K]."""
+    sz = scales_and_zeros.to(torch.float32)
+    n, k = q.shape
+    scale = sz[..., 0].t().repeat_interleave(group_size, dim=1)  # [N, K]
+    zero = sz[..., 1].t().repeat_interleave(group_size, dim=1)
+    return ((q.to(torch.float32) - 8.0) * scale + zero).to(dtype)
+
+
+def mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The kernel: bf16 [M, K] @ dequant(W).T -> bf16 [M, N]."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)
+
+
+def capability() -> str:
+    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
