@@ -1,0 +1,87 @@
+"""The manifest: ``edgeq_manifest.json`` beside the weights, the record the runtime and inspect trust.
+
+Keys (format_version 1)::
+
+    format_version  1
+    scheme          "w4a16-g128"             method  "rtn" | "minmax" | "gptq"
+    kernel          "tinygemm_w4a16"         the path the runtime must use
+    layout          TinygemmLayout.to_json(): op, torch_version, cpu_capability, block_n, layout_hash, perms
+    head            {"name": "lm_head", "quantized": true, "source": <input tensor>, "untied": bool}
+    quantized_modules       [module names, head included]
+    modules_not_converted   {module: reason}
+    shards          {file name: sha256}
+    tensors         {output tensor: {"role", "source", "dtype", "shape"}}
+    created_by      {"edgeq": version, "torch": version}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgeq.errors import EdgeqError
+
+FORMAT_VERSION = 1
+MANIFEST = "edgeq_manifest.json"
+KERNELS = ("tinygemm_w4a16", "amx_w4a8")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    scheme: str
+    method: str
+    kernel: str
+    layout: dict
+    head: dict
+    quantized_modules: tuple[str, ...]
+    modules_not_converted: dict
+    shards: dict
+    tensors: dict
+    created_by: dict
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["quantized_modules"] = list(self.quantized_modules)
+        return d
+
+    def write(self, directory: Path) -> None:
+        text = json.dumps(self.to_json(), indent=1)
+        # one line per list of numbers (the layout permutations) keeps the file readable
+        text = re.sub(r"\[\s*([-\d,\s]+?)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+        (Path(directory) / MANIFEST).write_text(text + "\n")
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = MANIFEST) -> "Manifest":
+        if not isinstance(d, dict):
+            raise EdgeqError(f"{where}: not a JSON object")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EdgeqError(f"{where}: format_version {version!r} is not supported (this edgeq reads {FORMAT_VERSION}); upgrade edgeq or re-quantise")
+        if d.get("kernel") not in KERNELS:
+            raise EdgeqError(f"{where}: unknown kernel {d.get('kernel')!r} (known: {', '.join(KERNELS)})")
+        head = d.get("head") or {}
+        if head.get("quantized") is not True:
+            raise EdgeqError(f"{where}: the output head is not recorded as quantised; edgeq checkpoints always quantise it")
+        try:
+            return cls(
+                format_version=version, scheme=str(d["scheme"]), method=str(d["method"]), kernel=str(d["kernel"]),
+                layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(d["quantized_modules"]),
+                modules_not_converted=dict(d.get("modules_not_converted", {})), shards=dict(d["shards"]),
+                tensors=dict(d.get("tensors", {})), created_by=dict(d.get("created_by", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise EdgeqError(f"{where}: malformed manifest (missing or bad key {e}); re-quantise the checkpoint") from e
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise EdgeqError(f"{directory}: no {MANIFEST}; not an edgeq checkpoint (quantise it with `edgeq quantize`)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgeqError(f"{path}: not valid JSON ({e})") from e
+    return Manifest.from_json(data, str(path))

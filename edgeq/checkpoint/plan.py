@@ -1,0 +1,185 @@
+"""The conversion plan, from headers alone: every tensor gets a role and an action, before any weight is read.
+
+Roles: ``linear`` (2-D ``*.weight`` of a projection), ``head``, ``embedding``, ``norm`` (1-D ``*norm*``),
+``bias``, ``other``. Actions: ``quantize`` (-> ``M.qweight`` + ``M.scales_and_zeros``), ``keep`` (a Linear the recipe
+keeps in bf16, reported), ``copy`` (cast to bf16). The head is always quantised; with tied embeddings it is
+quantised *from* the embedding table (``source``), which is also copied as bf16, and the output is untied.
+
+A tensor that should be quantised but cannot be is collected into ``Plan.problems`` (name, shape, rule); callers
+refuse the whole plan when there are any. The quantizer and ``edgeq inspect`` build the same plan, so they cannot
+disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from edgeq.checkpoint.reader import Checkpoint
+from edgeq.checkpoint.recipe import Recipe
+from edgeq.checkpoint.safetensors_io import FLOAT_CODES
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.scheme import Scheme
+
+HEAD_MODULE = "lm_head"
+_QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".scales_and_zeros", ".weight_packed", ".SCB")
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    name: str  # the output tensor name (the module's weight name for quantised ones)
+    source: str  # the input tensor it comes from (differs for an untied head)
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+    action: str
+    bytes_in: int
+    bytes_out: int
+    reason: str = ""
+
+    @property
+    def module(self) -> str:
+        return self.name.removesuffix(".weight")
+
+    def out_tensors(self, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype code, shape) of what this entry writes."""
+        if self.action != "quantize":
+            return [(self.name, "BF16", self.shape)]
+        n, k = self.shape
+        return [
+            (f"{self.module}.qweight", "U8", (n, k // 2)),
+            (f"{self.module}.scales_and_zeros", "BF16", (k // scheme.group_size, n, 2)),
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    scheme: Scheme
+    method: str
+    recipe: str
+    entries: tuple[PlanEntry, ...]
+    problems: tuple[str, ...]
+    tied: bool  # the input had no separate head tensor
+
+    @property
+    def bytes_in(self) -> int:
+        # a tied head reads the embedding a second time but stores nothing new in the input
+        return sum(e.bytes_in for e in self.entries if e.source == e.name)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(e.bytes_out for e in self.entries)
+
+    @property
+    def head(self) -> PlanEntry:
+        return next(e for e in self.entries if e.role == "head")
+
+    def check(self) -> None:
+        if self.problems:
+            lines = "\n  ".join(self.problems)
+            raise EdgeqError(f"{len(self.problems)} tensor(s) cannot be quantised with {self.scheme}:\n  {lines}")
+        assert_head_quantized(self)
+
+
+def assert_head_quantized(plan: Plan) -> None:
+    heads = [e for e in plan.entries if e.role == "head"]
+    if len(heads) != 1 or heads[0].action != "quantize":
+        raise EdgeqError(f"plan does not quantise the output head ({[(e.name, e.action) for e in heads]}); this is never allowed")
+
+
+def quantized_bytes(n: int, k: int, group_size: int) -> int:
+    """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2."""
+    return n * k // 2 + (k // group_size) * n * 4
+
+
+def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
+    if name == recipe.head:
+        return "head"
+    if name in recipe.embeddings:
+        return "embedding"
+    if name.endswith(".bias"):
+        return "bias"
+    if len(shape) == 1 and "norm" in name.lower():
+        return "norm"
+    if len(shape) == 2 and name.endswith(".weight"):
+        return "linear"
+    return "other"
+
+
+def _rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
+    """Why a 2-D weight cannot be quantised with this scheme, or None."""
+    if dtype not in FLOAT_CODES:
+        return f"dtype {dtype} is not bf16/fp16/fp32 (an already-quantised or integer tensor)"
+    n, k = shape
+    g = scheme.group_size
+    if k % g:
+        return f"K={k} is not a multiple of the group size {g}" + _suggest(k)
+    if n % tinygemm.ROW_MULTIPLE:
+        return f"N={n} is not a multiple of {tinygemm.ROW_MULTIPLE} (tinygemm packs rows in 16s)"
+    return None
+
+
+def _suggest(k: int) -> str:
+    fits = [g for g in tinygemm.GROUP_SIZES if k % g == 0]
+    return f"; use a group size of {', '.join(map(str, fits))}" if fits else "; keep it in bf16 with a recipe (keep_bf16)"
+
+
+def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) -> Plan:
+    entries: list[PlanEntry] = []
+    problems: list[str] = []
+    for name, info in ckpt.tensors.items():
+        if name.endswith(_QUANT_SUFFIXES):
+            raise EdgeqError(f"{info.file}: tensor {name} looks already quantised; edgeq quantises float checkpoints (GPTQ ingest: see docs)")
+        role = _role(name, info.shape, recipe)
+        if role in ("linear", "head"):
+            keep = recipe.keeps(name) if role == "linear" else None
+            if keep:
+                entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "keep", info.nbytes, info.numel * 2,
+                                         f"recipe {recipe.name}: keep_bf16 {keep!r}"))
+                continue
+            rule = _rule(info.shape, info.dtype, scheme)
+            if rule:
+                problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
+            out = quantized_bytes(*info.shape, scheme.group_size) if not rule else 0
+            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes, out))
+        else:
+            if info.dtype not in FLOAT_CODES:
+                raise EdgeqError(f"{info.file}: tensor {name} has dtype {info.dtype}; edgeq expects a bf16, fp16 or fp32 checkpoint")
+            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "copy", info.nbytes, info.numel * 2))
+    tied = recipe.head not in ckpt.tensors
+    if tied:
+        emb = next((e for e in entries if e.role == "embedding"), None)
+        if emb is None:
+            raise EdgeqError(
+                f"{ckpt.root}: no output head ({recipe.head}) and no embedding table ({', '.join(recipe.embeddings)}) to tie it to; "
+                "the recipe's head/embeddings names do not match this checkpoint"
+            )
+        rule = _rule(emb.shape, emb.dtype, scheme)
+        if rule:
+            problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
+        out = quantized_bytes(*emb.shape, scheme.group_size) if not rule else 0
+        entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in, out,
+                                 f"untied from {emb.name}"))
+    if not any(e.action == "quantize" and e.role == "linear" for e in entries):
+        problems.append(f"no Linear projection weights found among {len(entries)} tensors: nothing to quantise besides the head")
+    plan = Plan(scheme, method, recipe.name, tuple(entries), tuple(problems), tied)
+    if not problems:
+        assert_head_quantized(plan)  # assertion 1 of 3: at plan time
+    return plan
+
+
+def plan_rows(plan: Plan) -> list[dict]:
+    """The plan as table rows (for --dry-run and inspect)."""
+    return [
+        {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "role": e.role, "action": e.action,
+         "bytes_in": e.bytes_in, "bytes_out": e.bytes_out, "reason": e.reason}
+        for e in plan.entries
+    ]
+
+
+def effective_bits(plan: Plan) -> float:
+    """Bits per quantised weight including scales and zeros (4 + 32/G for tinygemm)."""
+    q = [e for e in plan.entries if e.action == "quantize"]
+    weights = sum(math.prod(e.shape) for e in q)
+    return 8 * sum(e.bytes_out for e in q) / weights if weights else 0.0

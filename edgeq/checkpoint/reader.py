@@ -1,0 +1,106 @@
+"""Open a Hugging Face checkpoint directory from headers alone: config, shards, tensor index. No weight data read.
+
+Accepted: ``config.json`` plus ``model.safetensors``, or ``model.safetensors.index.json`` and the shards it names,
+or any set of ``*.safetensors`` files. Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are refused:
+edgeq never unpickles anything, and the message says how to convert them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgeq.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
+from edgeq.errors import EdgeqError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+CONVERT_HINT = (
+    "convert it once with transformers: python -c \"from transformers import AutoModelForCausalLM as M; "
+    "M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\" (this unpickles: only for files you trust)"
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's config and tensor index. ``tensors`` maps each name to where its bytes are."""
+
+    root: Path
+    config: dict
+    tensors: dict[str, TensorInfo]
+    files: tuple[Path, ...]
+    index: dict | None = None
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return read_tensor(self.tensors[name], rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def quantization_config(self) -> dict | None:
+        q = self.config.get("quantization_config")
+        return q if isinstance(q, dict) else None
+
+
+def load_config(root: Path) -> dict:
+    path = root / "config.json"
+    if not path.is_file():
+        raise EdgeqError(f"{root}: no config.json; point edgeq at a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgeqError(f"{path}: not valid JSON ({e}); restore the file from the model's source") from e
+    if not isinstance(config, dict):
+        raise EdgeqError(f"{path}: expected a JSON object")
+    return config
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    root = Path(path)
+    if not root.is_dir():
+        raise EdgeqError(f"{root}: not a directory; give a local Hugging Face model directory")
+    config = load_config(root)
+    files, index = _weight_files(root)
+    tensors: dict[str, TensorInfo] = {}
+    for f in files:
+        found, _ = read_header(f)
+        for name, info in found.items():
+            if name in tensors:
+                raise EdgeqError(f"{f}: tensor {name} also appears in {tensors[name].file.name}; the checkpoint is inconsistent")
+            tensors[name] = info
+    if index is not None:
+        for name, shard in index["weight_map"].items():
+            if name not in tensors or tensors[name].file.name != shard:
+                raise EdgeqError(f"{root / 'model.safetensors.index.json'}: lists {name} in {shard}, which does not contain it")
+    if not tensors:
+        raise EdgeqError(f"{root}: the safetensors files hold no tensors")
+    return Checkpoint(root=root, config=config, tensors=tensors, files=tuple(files), index=index)
+
+
+def _weight_files(root: Path) -> tuple[list[Path], dict | None]:
+    index_path = root / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, AssertionError) as e:
+            raise EdgeqError(f"{index_path}: malformed index (needs a weight_map object); restore it from the model's source") from e
+        files = []
+        for shard in sorted(set(weight_map.values())):
+            p = root / shard
+            if not p.is_file():
+                raise EdgeqError(f"{index_path}: points at missing shard {shard}; download it again")
+            files.append(p)
+        return files, index
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return files, None
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise EdgeqError(f"{root}: only pickle weights ({', '.join(pickles[:3])}); edgeq never unpickles. " + CONVERT_HINT.format(src=root))
+    raise EdgeqError(f"{root}: no *.safetensors weights found")

@@ -1,0 +1,103 @@
+"""Per-family quantisation recipes: data files (TOML) in ``recipes/``, validated when loaded.
+
+A recipe names the default scheme and method, where the head and the embeddings are, and which Linear weights to
+keep in bf16. A recipe whose ``keep_bf16`` would match the head is rejected: the head is always quantised.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeq.errors import EdgeqError
+from edgeq.scheme import Scheme
+
+_KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "notes"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    model_types: tuple[str, ...]
+    scheme: str
+    method: str
+    head: str
+    embeddings: tuple[str, ...]
+    keep_bf16: tuple[str, ...]
+    notes: str
+    source: str
+
+    def keeps(self, tensor_name: str) -> str | None:
+        """The keep_bf16 pattern matching this tensor, if any."""
+        return next((p for p in self.keep_bf16 if re.search(p, tensor_name)), None)
+
+
+def recipes_dir() -> Path:
+    """Installed wheels carry recipes/ as edgeq/_recipes; an editable install reads the repository's recipes/."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_recipes", here.parent / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    raise EdgeqError(f"recipes not found next to {here}; reinstall edgeq")
+
+
+def load_recipe(path: Path) -> Recipe:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise EdgeqError(f"{path}: cannot read recipe ({e.strerror})") from e
+    except tomllib.TOMLDecodeError as e:
+        raise EdgeqError(f"{path}: not valid TOML ({e})") from e
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise EdgeqError(f"{path}: unknown recipe keys {sorted(unknown)}; valid: {sorted(_KEYS)}")
+    try:
+        recipe = Recipe(
+            name=str(data["name"]),
+            model_types=tuple(data.get("model_types", [])),
+            scheme=str(data.get("scheme", "w4a16-g128")),
+            method=str(data.get("method", "rtn")),
+            head=str(data.get("head", "lm_head.weight")),
+            embeddings=tuple(data.get("embeddings", ["model.embed_tokens.weight"])),
+            keep_bf16=tuple(data.get("keep_bf16", [])),
+            notes=str(data.get("notes", "")),
+            source=str(path),
+        )
+    except KeyError as e:
+        raise EdgeqError(f"{path}: recipe needs the key {e}") from e
+    Scheme.parse(recipe.scheme)
+    for p in recipe.keep_bf16:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise EdgeqError(f"{path}: keep_bf16 pattern {p!r} is not a valid regex ({e})") from e
+    hit = recipe.keeps(recipe.head)
+    if hit:
+        raise EdgeqError(f"{path}: keep_bf16 pattern {hit!r} matches the output head {recipe.head}; the head is always quantised")
+    return recipe
+
+
+def all_recipes() -> list[Recipe]:
+    return [load_recipe(p) for p in sorted(recipes_dir().glob("*.toml"))]
+
+
+def find_recipe(name_or_file: str | None, model_type: str | None) -> Recipe:
+    """``--recipe NAME|FILE``, or the recipe whose model_types contain the config's model_type."""
+    if name_or_file:
+        p = Path(name_or_file)
+        if p.suffix == ".toml" or p.exists():
+            return load_recipe(p)
+        for r in all_recipes():
+            if r.name == name_or_file:
+                return r
+        raise EdgeqError(f"unknown recipe {name_or_file!r}; available: {', '.join(r.name for r in all_recipes())} (or a .toml file)")
+    for r in all_recipes():
+        if model_type in r.model_types:
+            return r
+    families = sorted(t for r in all_recipes() for t in r.model_types)
+    raise EdgeqError(
+        f"unsupported architecture model_type={model_type!r}; supported: {', '.join(families)}. "
+        "For another decoder-only family with plain Linear projections, write a recipe and pass --recipe FILE"
+    )

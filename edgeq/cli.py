@@ -1,0 +1,166 @@
+"""The ``edgeq`` command. Each command parses, calls one function that returns a dataclass, and prints it
+(``--json`` everywhere). An :class:`EdgeqError` is one line on stderr and exit code 2; a broken threshold exit 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from edgeq.errors import EdgeqError, ThresholdError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="4-bit checkpoints for edge CPUs: quantize, inspect, run, and prove fidelity.")
+# Not a terminal (pipes, CI logs): wide enough that tensor names are not cut.
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def emit(value, as_json: bool, render=None) -> None:
+    """Print a result dataclass as JSON or through its human renderer."""
+    if as_json:
+        data = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        typer.echo(json.dumps(data, indent=2, default=str))
+    elif render is not None:
+        render(value)
+    else:
+        out.print(value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="Hugging Face model directory (or hub id, when online)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256 [default: the recipe's]."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    max_shard_size: str = typer.Option("2GiB", "--max-shard-size", help="Largest output shard, e.g. 2GiB, 500MB."),
+) -> None:
+    """Quantise a Hugging Face checkpoint into one tinygemm-packed W4A16 checkpoint."""
+    from edgeq.checkpoint.plan import plan_rows
+    from edgeq.convert import convert, prepare
+    from edgeq.scheme import Scheme
+
+    parsed = Scheme.parse(scheme) if scheme else None
+    prepared = prepare(model, parsed, method, recipe)
+    plan = prepared[1]
+    if dry_run:
+        rows = plan_rows(plan)
+        summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
+                   "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems)}
+        emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
+        if plan.problems:
+            plan.check()
+        return
+    target = output or Path(f"{str(model).rstrip('/')}-{plan.scheme}")
+    report = _with_progress(lambda cb: convert(model, target, force=force, progress=cb, prepared=prepared,
+                                               max_shard_bytes=parse_bytes(max_shard_size)),
+                            plan.bytes_in + plan.head.bytes_in * plan.tied, quiet or as_json)
+    emit(report, as_json, _render_convert)
+
+
+def _with_progress(run, total: int, quiet: bool):
+    if quiet:
+        return run(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[tensor]}", style="dim"))
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("quantize", total=total, tensor="")
+        return run(lambda n, name: bar.update(task, advance=n, tensor=name))
+
+
+def _render_plan(rows: list[dict], summary: dict) -> None:
+    t = Table(title=f"plan: {summary['scheme']} ({summary['method']}, recipe {summary['recipe']})", show_lines=False)
+    for col in ("name", "shape", "dtype", "role", "action", "bytes in", "bytes out"):
+        t.add_column(col, justify="right" if col.startswith("bytes") else "left")
+    for r in rows:
+        action = r["action"] + (f" ({r['reason']})" if r["reason"] else "")
+        t.add_row(r["name"], "x".join(map(str, r["shape"])), r["dtype"], r["role"], action,
+                  f"{r['bytes_in']:,}", f"{r['bytes_out']:,}")
+    out.print(t)
+    ratio = summary["bytes_in"] / summary["bytes_out"] if summary["bytes_out"] else 0
+    out.print(f"total: {_mib(summary['bytes_in'])} -> {_mib(summary['bytes_out'])} ({ratio:.2f}x); "
+              f"head {'tied: quantised from the embedding, output untied' if summary['tied'] else 'quantised'}")
+    for p in summary["problems"]:
+        err.print(f"[red]cannot quantise: {p}[/red]")
+
+
+def _render_convert(r) -> None:
+    out.print(f"wrote {r.out}  ({r.scheme}, {r.method}, recipe {r.recipe})")
+    out.print(f"  {_mib(r.bytes_in)} -> {_mib(r.bytes_out)}  ({r.ratio:.2f}x)   {r.seconds:.1f} s   "
+              f"peak RSS {_mib(r.peak_rss_bytes)} (anon {_mib(r.peak_rss_anon_bytes)})")
+    out.print(f"  {r.quantized} weights quantised, head from {r.head_source}{' (untied)' if r.untied else ''}")
+    out.print(f"  relative reconstruction error: mean {r.mean_relative_error:.4f}, worst {r.worst_relative_error:.4f} ({r.worst_tensor})")
+
+
+@app.command()
+def recipes(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the bundled per-family recipes."""
+    from edgeq.checkpoint.recipe import all_recipes
+
+    found = all_recipes()
+
+    def render(_):
+        t = Table(title="recipes")
+        for col in ("name", "model types", "scheme", "method", "keep bf16", "notes"):
+            t.add_column(col)
+        for r in found:
+            t.add_row(r.name, ", ".join(r.model_types), r.scheme, r.method, ", ".join(r.keep_bf16) or "-", r.notes)
+        out.print(t)
+
+    emit([dataclasses.asdict(r) for r in found], as_json, render)
+
+
+def parse_bytes(text: str) -> int:
+    """'256MiB' -> 268435456, '2GB' -> 2000000000, '1024' -> 1024."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not m:
+        raise EdgeqError(f"cannot read {text!r} as a byte size; write e.g. 256MiB, 2GB or 1048576")
+    unit = (m.group(2) or "").rstrip("b")
+    base = 1024 if unit.endswith("i") else 1000
+    power = "kmgt".find(unit[:1]) + 1 if unit else 0
+    return int(float(m.group(1)) * base**power)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except EdgeqError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ThresholdError as e:
+        err.print(f"[red]threshold broken:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted: nothing was written (partial output removed)")
+        sys.exit(2)
+    except Exception as e:
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
+            e.show()
+            sys.exit(2)
+        if type(e).__name__ == "Abort":
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()
