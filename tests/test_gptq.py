@@ -9,7 +9,7 @@ import torch
 from edgeq.errors import EdgeqError
 from edgeq.layouts import gptq as lg
 from edgeq.layouts import tinygemm as tg
-from edgeq.quantize.gptq import HessianAccumulator, gptq_quantize
+from edgeq.quantize.gptq import HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
 
 LAYOUT = tg.probe()
 
@@ -388,3 +388,17 @@ def test_gptq_errors():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     r = gptq_quantize(w, 2 / 8 * x.t() @ x, 32)
     assert r.damp == 0.01 and r.output_error >= 0
+
+
+def test_row_blocks_share_one_prepared_hessian():
+    """Rows are independent given H: row blocks under one prepare_hessian() join to the whole-weight result."""
+    w, h, _ = correlated_layer(n=96)
+    prep = prepare_hessian(h, act_order=True)
+    whole = gptq_quantize(w, h, 32, act_order=True)
+    parts = concat_rows([gptq_quantize(w[a : a + 32], h, 32, act_order=True, prepared=prep) for a in (0, 32, 64)])
+    assert torch.equal(parts.perm, whole.perm) and parts.damp == whole.damp
+    assert float((parts.q == whole.q).double().mean()) > 0.999
+    assert parts.output_error == pytest.approx(whole.output_error, rel=1e-3)
+    assert parts.sq_error.shape == (96,)
+    with pytest.raises(EdgeqError, match="prepared Hessian was made with act_order=True, the call asks for False"):
+        gptq_quantize(w, h, 32, prepared=prep)

@@ -145,6 +145,39 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Te
     )
 
 
+@dataclass(frozen=True)
+class PreparedHessian:
+    """What GPTQ needs from H, shared by every weight (or row block) quantised under the same H.
+
+    u: fp32 [K, K] upper Cholesky factor of the damped ``H^-1``, rows/columns in visit order; perm: int64 [K] visit
+    order (act_order) or None; damp: the relative dampening used; dead: number of dead input channels.
+    """
+
+    u: torch.Tensor
+    perm: torch.Tensor | None
+    damp: float
+    dead: int
+
+
+def prepare_hessian(H: torch.Tensor, damp: float = 0.01, act_order: bool = False, *, name: str = "weight") -> PreparedHessian:
+    """Dead channels, act-order permutation and the damped inverse Cholesky factor of ``H`` (float [K, K])."""
+    if H.dim() != 2 or H.shape[0] != H.shape[1] or not H.is_floating_point():
+        raise EdgeqError(f"{name}: the Hessian must be a square float matrix, got {H.dtype} {list(H.shape)}")
+    if not 0.0 < damp <= 1.0:
+        raise EdgeqError(f"{name}: damp={damp} must be in (0, 1]")
+    if not bool(torch.isfinite(H).all()):
+        raise EdgeqError(f"{name}: the Hessian has NaN/Inf entries (calibration activations overflowed)")
+    h = H.to(torch.float32).clone()
+    diag = h.diagonal().clone()
+    dead = diag == 0
+    h[dead, dead] = 1.0  # decoupled: the error of a dead column goes nowhere, and nothing flows into it
+    perm = torch.sort(diag, descending=True, stable=True).indices if act_order else None
+    if perm is not None:
+        h = h[perm][:, perm]
+    u, used = _inverse_cholesky(h, damp, name)
+    return PreparedHessian(u=u, perm=perm, damp=used, dead=int(dead.sum()))
+
+
 def gptq_quantize(
     w: torch.Tensor,
     H: torch.Tensor,
@@ -156,11 +189,15 @@ def gptq_quantize(
     *,
     name: str = "weight",
     keep_dequantized: bool = False,
+    prepared: PreparedHessian | None = None,
 ) -> GPTQResult:
     """Quantise ``w`` (float [N, K]) with GPTQ under the Hessian ``H`` (float [K, K], e.g.
     :meth:`HessianAccumulator.hessian`) to tinygemm uint4, groups of ``group_size`` along K.
 
-    Memory: a few fp32 [N, K] and [K, K] tensors. Time: O(K^3 + N K^2).
+    Rows are independent given H, so a large weight can be quantised in row blocks that share one
+    :func:`prepare_hessian` result (``prepared``, which must have been made with the same ``act_order``; ``damp`` is
+    then its own) and joined with :func:`concat_rows`. Memory: a few fp32 [N, K] and [K, K] tensors.
+    Time: O(K^3) to prepare, O(N K^2) per weight.
     """
     if w.dim() != 2 or not w.is_floating_point():
         raise EdgeqError(f"{name}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}")
@@ -170,25 +207,17 @@ def gptq_quantize(
     g = int(group_size)
     if g <= 0 or k % g:
         raise EdgeqError(f"{name} {list(w.shape)}: K={k} is not a multiple of the group size {group_size}")
-    if not 0.0 < damp <= 1.0:
-        raise EdgeqError(f"{name}: damp={damp} must be in (0, 1]")
     if not bool(torch.isfinite(w).all()):
         raise EdgeqError(f"{name}: {int((~torch.isfinite(w)).sum())} NaN/Inf value(s) in the weights")
-    if not bool(torch.isfinite(H).all()):
-        raise EdgeqError(f"{name}: the Hessian has NaN/Inf entries (calibration activations overflowed)")
+    if prepared is None:
+        prepared = prepare_hessian(H, damp, act_order, name=name)
+    elif (prepared.perm is not None) != act_order:
+        raise EdgeqError(f"{name}: the prepared Hessian was made with act_order={not act_order}, the call asks for {act_order}")
+    U, perm, used = prepared.u, prepared.perm, prepared.damp
 
     W = w.to(torch.float32).clone()
-    h = H.to(torch.float32).clone()
-    diag = h.diagonal().clone()
-    dead = diag == 0
-    h[dead, dead] = 1.0  # decoupled: the error of a dead column goes nowhere, and nothing flows into it
-
-    perm = torch.sort(diag, descending=True, stable=True).indices if act_order else None
     if perm is not None:
         W = W[:, perm]
-        h = h[perm][:, perm]
-    U, used = _inverse_cholesky(h, damp, name)
-    del h
 
     gc = k // g
     scales = torch.empty(gc, n, dtype=torch.float32)
@@ -226,7 +255,7 @@ def gptq_quantize(
             W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
         if i2 < k:
             W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
-    del W, U
+    del W
 
     out_perm = perm
     if perm is not None and static_groups:  # natural groups: undo the visit order
@@ -249,4 +278,28 @@ def gptq_quantize(
         sq_error=err.double().square().sum(-1),
         sq_norm=w32.double().square().sum(-1),
         w_hat=W_hat if keep_dequantized else None,
+    )
+
+
+def concat_rows(parts: list[GPTQResult]) -> GPTQResult:
+    """Join results of row blocks of one weight quantised under one :class:`PreparedHessian` (same perm, damp, G)."""
+    first = parts[0]
+    for p in parts[1:]:
+        same_perm = (p.perm is None and first.perm is None) or (
+            p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm)
+        )
+        if not same_perm or p.group_size != first.group_size or p.damp != first.damp:
+            raise EdgeqError("concat_rows: the row blocks were quantised under different Hessians or group sizes")
+    w_hats = [p.w_hat for p in parts]
+    return GPTQResult(
+        q=torch.cat([p.q for p in parts]),
+        scales_and_zeros=torch.cat([p.scales_and_zeros for p in parts], dim=1),
+        group_size=first.group_size,
+        perm=first.perm,
+        damp=first.damp,
+        output_error=sum(p.output_error for p in parts),
+        output_norm=sum(p.output_norm for p in parts),
+        sq_error=torch.cat([p.sq_error for p in parts]),
+        sq_norm=torch.cat([p.sq_norm for p in parts]),
+        w_hat=torch.cat(w_hats) if all(x is not None for x in w_hats) else None,
     )
