@@ -1,0 +1,28 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "edgeq" / "data" / "tiny-prose"
+
+
+@pytest.fixture(scope="session")
+def fixture_model() -> Path:
+    return FIXTURE
+
+
+@pytest.fixture(scope="session")
+def fixture_quantized(tmp_path_factory) -> Path:
+    """The bundled trained model, quantised once per session with the default scheme and method."""
+    from edgeq.convert import convert
+
+    out = tmp_path_factory.mktemp("q") / "tiny-prose-w4a16-g128"
+    convert(FIXTURE, out)
+    return out

@@ -1,0 +1,243 @@
+"""Bad input: one line naming the file or tensor and the fix, exit code 2, input untouched, nothing left behind."""
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from edgeq import cli
+from edgeq.convert import convert
+from edgeq.errors import EdgeqError
+from tiny_models import save_tiny
+from test_quantize import dir_digest
+
+
+def run_cli(args, capsys):
+    old = sys.argv
+    sys.argv = ["edgeq", *args]
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+            raise SystemExit(0)
+    finally:
+        sys.argv = old
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+@pytest.fixture
+def src(tmp_path):
+    return save_tiny("llama", tmp_path / "src", tied=True)
+
+
+def expect_error(tmp_path, capsys, src, pattern, *extra):
+    before = dir_digest(src) if Path(src).exists() else None
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q", *extra], capsys)
+    assert code == 2, (out, err)
+    assert err.startswith("error: ") and pattern in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert not list(tmp_path.glob(".out.edgeq-tmp-*"))
+    if before:
+        assert dir_digest(src) == before
+    return err
+
+
+def test_missing_config(tmp_path, capsys, src):
+    (src / "config.json").unlink()
+    expect_error(tmp_path, capsys, src, "no config.json")
+
+
+def test_corrupt_config(tmp_path, capsys, src):
+    (src / "config.json").write_text("{not json")
+    expect_error(tmp_path, capsys, src, "config.json: not valid JSON")
+
+
+def test_truncated_safetensors(tmp_path, capsys, src):
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    expect_error(tmp_path, capsys, src, "truncated file; re-download it")
+
+
+def test_corrupt_header(tmp_path, capsys, src):
+    f = src / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:12] = b"\xff\xfe!!"
+    f.write_bytes(bytes(data))
+    expect_error(tmp_path, capsys, src, "corrupt safetensors header (not JSON")
+
+
+def test_header_length_past_file(tmp_path, capsys, src):
+    f = src / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", 10**9) + data[8:])
+    expect_error(tmp_path, capsys, src, "claims 1000000000 header bytes")
+
+
+def test_index_points_at_missing_shard(tmp_path, capsys):
+    s = save_tiny("llama", tmp_path / "src", tied=True, max_shard_size="100KB")
+    shard = sorted(s.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    expect_error(tmp_path, capsys, s, f"points at missing shard {shard.name}")
+
+
+def _rewrite(src, fn):
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_nan_weights(tmp_path, capsys, src):
+    def poison(t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 7] = float("nan")
+
+    _rewrite(src, poison)
+    expect_error(tmp_path, capsys, src, "model.layers.1.mlp.up_proj.weight rows 0..256: 1 NaN/Inf value(s)")
+
+
+def test_inf_in_norm(tmp_path, capsys, src):
+    _rewrite(src, lambda t: t["model.norm.weight"].__setitem__(0, float("inf")))
+    expect_error(tmp_path, capsys, src, "tensor model.norm.weight has NaN/Inf")
+
+
+def test_integer_weights(tmp_path, capsys, src):
+    _rewrite(src, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(256, 128, dtype=torch.int8)))
+    expect_error(tmp_path, capsys, src, "model.layers.0.mlp.up_proj.weight [256, 128] I8: dtype I8 is not bf16/fp16/fp32")
+
+
+def test_nothing_to_quantise(tmp_path, capsys, src):
+    def strip(t):
+        for name in [n for n in t if "layers" in n and n.endswith("proj.weight")]:
+            del t[name]
+
+    _rewrite(src, strip)
+    expect_error(tmp_path, capsys, src, "no Linear projection weights found")
+
+
+def test_already_quantised(tmp_path, capsys, src):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(cfg))
+    expect_error(tmp_path, capsys, src, "already quantised (quant_method='gptq')")
+
+
+def test_pickle_only(tmp_path, capsys, src):
+    (src / "model.safetensors").rename(src / "pytorch_model.bin")
+    err = expect_error(tmp_path, capsys, src, "only pickle weights (pytorch_model.bin); edgeq never unpickles")
+    assert "save_pretrained" in err
+
+
+def test_unsupported_architecture(tmp_path, capsys, src):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (src / "config.json").write_text(json.dumps(cfg))
+    expect_error(tmp_path, capsys, src, "unsupported architecture model_type='mamba'; supported: gemma2, llama")
+
+
+def test_group_size_rule_lists_every_tensor(tmp_path, capsys, src):
+    err = expect_error(tmp_path, capsys, src, "cannot be quantised with w4a16-g256", "--scheme", "w4a16-g256")
+    assert err.count("K=128 is not a multiple of the group size 256") == 13  # 2 layers x 6 + the head
+
+
+def test_existing_output_needs_force(tmp_path, capsys, src):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "-q"], capsys)
+    assert code == 2 and "exists and is not empty" in err and (out / "keep.txt").read_text() == "mine"
+    code, _, _ = run_cli(["quantize", str(src), "-o", str(out), "-q", "--force"], capsys)
+    assert code == 0 and not (out / "keep.txt").exists() and (out / "edgeq_manifest.json").exists()
+
+
+def test_full_disk_checked_first(tmp_path, src, monkeypatch):
+    import edgeq.convert as conv
+
+    monkeypatch.setattr(conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(EdgeqError, match=r"MiB free, the output needs"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_write_failure_leaves_nothing(tmp_path, src, monkeypatch):
+    from edgeq.checkpoint import safetensors_io
+
+    def fail(self, data):
+        raise EdgeqError("disk full (simulated)")
+
+    monkeypatch.setattr(safetensors_io.ShardedWriter, "_emit", fail)
+    with pytest.raises(EdgeqError, match="simulated"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.edgeq-tmp-*"))
+
+
+def test_ctrl_c_leaves_nothing(tmp_path, src):
+    before = dir_digest(src)
+    calls = []
+
+    def interrupt(nbytes, name):
+        calls.append(name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out", progress=interrupt)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.edgeq-tmp-*"))
+    assert dir_digest(src) == before
+
+
+def test_ctrl_c_cli_exit_code(tmp_path, capsys, src, monkeypatch):
+    import edgeq.convert as conv
+
+    monkeypatch.setattr(conv, "_stream", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q"], capsys)
+    assert code == 2 and "interrupted" in err and not (tmp_path / "out").exists()
+
+
+def test_recipe_keeping_the_head_is_rejected(tmp_path, capsys, src):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text('name = "bad"\nmodel_types = ["llama"]\nkeep_bf16 = ["lm_head"]\n')
+    expect_error(tmp_path, capsys, src, "matches the output head lm_head.weight; the head is always quantised", "--recipe", str(recipe))
+
+
+def test_recipe_keep_is_reported(tmp_path, capsys, src):
+    recipe = tmp_path / "keep.toml"
+    recipe.write_text('name = "keepdown"\nmodel_types = ["llama"]\nkeep_bf16 = ["down_proj"]\n')
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q", "--recipe", str(recipe), "--json"], capsys)
+    assert code == 0, err
+    man = json.loads((tmp_path / "out" / "edgeq_manifest.json").read_text())
+    assert man["modules_not_converted"] == {f"model.layers.{i}.mlp.down_proj": "recipe keepdown: keep_bf16 'down_proj'" for i in range(2)}
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["quantization_config"]["modules_not_converted"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+
+
+def test_dry_run_reads_no_weights(tmp_path, capsys, src, monkeypatch):
+    from edgeq.checkpoint import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "read_tensor", lambda *a, **k: pytest.fail("dry run read tensor data"))
+    code, out, _ = run_cli(["quantize", str(src), "--dry-run", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    head = [r for r in plan["plan"] if r["role"] == "head"]
+    assert head == [{"name": "lm_head.weight", "shape": [256, 128], "dtype": "BF16", "role": "head", "action": "quantize",
+                     "bytes_in": 65536, "bytes_out": 256 * 64 + 256 * 4, "reason": "untied from model.embed_tokens.weight"}]
+    assert plan["tied"] is True and plan["problems"] == []
+
+
+def test_hub_id_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["quantize", "no-such-org/no-such-model", "-q"], capsys)
+    assert code == 2 and "fetching it from the Hugging Face hub failed" in err
+
+
+def test_recipes_command_lists_all(capsys):
+    code, out, _ = run_cli(["recipes", "--json"], capsys)
+    assert code == 0
+    assert sorted(r["name"] for r in json.loads(out)) == ["gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3"]

@@ -1,0 +1,141 @@
+"""Test support for the runtime tests (no tests here): tiny transformers models, quantised with the real
+`edgeq quantize` pipeline; the matching bf16 reference whose Linear weights are the dequantised values; a synthetic
+Llama-shaped edgeq checkpoint with random packed bytes for the memory test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from edgeq.layouts import tinygemm
+
+FIXTURE = Path(__file__).resolve().parents[1] / "edgeq" / "data" / "tiny-prose"
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+_COMMON = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False,
+               initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_EXTRA = {
+    "llama": dict(head_dim=32),
+    "mistral": dict(head_dim=32, sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),  # q/k/v carry biases
+    "qwen3": dict(head_dim=32),  # q_norm / k_norm
+    "phi3": dict(),  # fused qkv_proj and gate_up_proj
+    "gemma2": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=48, tie_word_embeddings=True),
+}
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
+    config = AutoConfig.for_model(arch, **{**_COMMON, **_EXTRA[arch], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(torch.bfloat16).eval()
+
+
+def save_hf(model: nn.Module, out: Path) -> Path:
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax") -> Path:
+    """The real `edgeq quantize` pipeline (edgeq.convert)."""
+    from edgeq.convert import convert
+    from edgeq.scheme import Scheme
+
+    convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, force=True)
+    return out
+
+
+def write_reference(qdir: Path, out: Path) -> Path:
+    """A bf16 HF checkpoint equal to the edgeq checkpoint ``qdir`` with every quantised Linear replaced by its
+    dequantised weight (unpacked with the manifest's layout): the reference the runtime must match."""
+    from edgeq.runtime.weights import MappedFiles
+
+    manifest = json.loads((qdir / "edgeq_manifest.json").read_text())
+    layout = tinygemm.TinygemmLayout.from_json(manifest["layout"])
+    g = int(manifest["scheme"].rsplit("-g", 1)[1])
+    files = MappedFiles(qdir)
+    state = {}
+    for name in files.names():
+        if name.endswith(".scales_and_zeros"):
+            continue
+        t = files.get(name)
+        if name.endswith(".qweight"):
+            m = name.removesuffix(".qweight")
+            n, k = t.shape[0], t.shape[1] * 2
+            state[f"{m}.weight"] = tinygemm.dequantize(tinygemm.unpack(t, n, k, layout), files.get(f"{m}.scales_and_zeros"), g, torch.bfloat16)
+        else:
+            state[name] = t.clone()
+    out.mkdir(parents=True, exist_ok=True)
+    _save(state, out, 1)
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    _copy_tokenizer(qdir, out)
+    return out
+
+
+def synthetic_checkpoint(out: Path, hidden: int = 1024, layers: int = 12, inter: int = 4096, vocab: int = 16384,
+                         group_size: int = 128, seed: int = 0) -> dict:
+    """A Llama-shaped edgeq checkpoint with random packed bytes (speed and memory do not depend on the values).
+    Returns byte counts by category."""
+    layout = tinygemm.probe()
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, hd = hidden // 64, max(1, hidden // 256), 64
+    shapes = {"self_attn.q_proj": (heads * hd, hidden), "self_attn.k_proj": (kv_heads * hd, hidden),
+              "self_attn.v_proj": (kv_heads * hd, hidden), "self_attn.o_proj": (hidden, heads * hd),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    tensors, modules = {}, []
+
+    def add_q(name, n, k):
+        tensors[f"{name}.qweight"] = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        sz = torch.empty(k // group_size, n, 2)
+        sz[..., 0] = 0.002
+        sz[..., 1] = torch.randn(k // group_size, n, generator=gen) * 0.001
+        tensors[f"{name}.scales_and_zeros"] = sz.to(torch.bfloat16)
+        modules.append(name)
+
+    for i in range(layers):
+        for sub, (n, k) in shapes.items():
+            add_q(f"model.layers.{i}.{sub}", n, k)
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    add_q("lm_head", vocab, hidden)
+    tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    files = _save(tensors, out, 2)
+    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd, vocab_size=vocab,
+                               max_position_embeddings=4096, tie_word_embeddings=False).to_dict()
+    cfg.update(dtype="bfloat16")
+    cfg["quantization_config"] = {
+        "quant_method": "edgeq", "format_version": 1, "scheme": f"w4a16-g{group_size}", "group_size": group_size,
+        "method": "synthetic", "kernel": "tinygemm_w4a16", "layout": layout.fingerprint(), "head_quantized": True,
+        "untied": False, "modules_not_converted": [],
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    manifest = {"format_version": 1, "scheme": f"w4a16-g{group_size}", "method": "synthetic", "kernel": "tinygemm_w4a16",
+                "layout": layout.to_json(), "head": {"name": "lm_head", "quantized": True, "source": "lm_head.weight", "untied": False},
+                "quantized_modules": modules, "modules_not_converted": {}, "shards": files, "tensors": {}}
+    (out / "edgeq_manifest.json").write_text(json.dumps(manifest, indent=1))
+    packed = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.endswith((".qweight", ".scales_and_zeros")))
+    plain = sum(t.numel() * t.element_size() for n, t in tensors.items()) - packed
+    return {"packed": packed, "unquantized": plain}
+
+
+def fixture_model() -> nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.bfloat16).eval()
+
+
+def avx2_like_layout() -> tinygemm.TinygemmLayout:
+    """What the AVX2 path packs (32-row blocks of interleaved halves, adjacent-pair tails): a foreign layout here."""
+    return tinygemm.TinygemmLayout(
+        block_n=32, perms=((16, tuple(range(16))), (32, tuple(v for j in range(16) for v in (j, j + 16)))),
+        torch_version=torch.__version__, cpu_capability="AVX2",
+    )
