@@ -1,0 +1,386 @@
+"""The W4A8 (int8-activation) layout of sglang's / vLLM's CPU kernel ``int4_scaled_mm_cpu``, and a bit-exact portable path.
+
+Layout (the bytes ``convert_weight_packed_scale_zp`` produces; N output rows, K inputs, G the group size)::
+
+    bk = min(G, 128)                         K block (G in {32, 64, 128}, so bk = G here)
+    qweight      uint8 [N/32, K/bk, bk*16 + 128]
+    scales       fp32  [N/32, K/G, 32]       scales[nb, g, c]  = s[g, 32*nb + c]
+    zeros        int8  [N/32, K/G, 32]       zeros[nb, g, c]   = z[g, 32*nb + c]
+
+Each ``qweight[nb, kb]`` slot covers output rows n0 = 32*nb .. n0+31 and inputs k0 = bk*kb .. k0+bk-1:
+
+- bytes 0 .. bk*16-1, VNNI-4 interleaved: for each group of 4 inputs (kg = 0 .. bk/4-1) 64 bytes; byte
+  ``kg*64 + j*4 + ki`` (j = 0..15, ki = 0..3) holds q[n0 + c(j), k0 + 4*kg + ki] in its low nibble and
+  q[n0 + c(j) + 8, k0 + 4*kg + ki] in its high nibble, with c(j) = j for j < 8 and j + 8 for j >= 8. So low
+  nibbles carry rows 0-7 and 16-23 of the block, high nibbles rows 8-15 and 24-31;
+- bytes bk*16 .. bk*16+127: int32[32] little-endian, the compensation comp[c] = sum over the slot's bk inputs of
+  (q[n0 + c, k] - z[g(k), n0 + c]). (The kernel subtracts 128 * comp after a uint8 x int8 dot product: it
+  quantises activations symmetrically, then shifts them by +128 to uint8.)
+
+Worked example (G = 32, a 32 x 32 block, one slot of 32*16 + 128 = 640 bytes): byte 0 = q[0,0] | q[8,0] << 4,
+byte 1 = q[0,1] | q[8,1] << 4, byte 4 = q[1,0] | q[9,0] << 4, byte 28 = q[7,0] | q[15,0] << 4,
+byte 32 = q[16,0] | q[24,0] << 4, byte 63 = q[23,3] | q[31,3] << 4, byte 64 = q[0,4] | q[8,4] << 4, ...,
+bytes 512..515 = comp[0] (low byte first).
+
+Arithmetic of the kernel (what :func:`w4a8_linear` reproduces bit for bit; see docs/w4a8.md)::
+
+    q_a, s_a = quantize_activations(x)                        per token, fp32 (edgeq.quantize.w4a8)
+    C = bias (fp32) or 0
+    for kb in 0 .. K/bk - 1:                                  in order
+        acc = sum_{k in block kb} q_a[m, k] * (q[n, k] - z[g, n])       exact int32
+        C   = fma(fp32(acc) * s_a[m], s[g, n], C)               one fp32 rounding for the product, one for the fma
+    y = bf16(C)                                                round to nearest even
+
+Source checked: sgl-project/sglang sgl-kernel/csrc/cpu/gemm_int4.cpp (``convert_int4_weight_packed_with_compensation``,
+``_da8w4_linear_impl``, ``_dequant_gemm_accum``, ``quantize_row_int8`` in vec.h) and the identical port in
+vllm-project/vllm csrc/cpu/sgl-kernels/gemm_int4.cpp. The multiply-add is written there as separate
+``_mm512_mul_ps`` / ``_mm512_add_ps``; it is fused only when the compiler contracts it (GCC's default in GNU
+mode). :func:`w4a8_linear` takes ``fused`` so a load-time probe against a compiled kernel can pick the one it does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.quantize.w4a8 import fma_f32, fma_into, quantize_activations
+
+KERNEL = "amx_w4a8"
+LAYOUT = "amx_w4a8"
+LAYOUT_VERSION = 1
+BLOCK_N = 32
+VNNI = 4
+MAX_BLOCK_K = 128
+COMP_BYTES = BLOCK_N * 4
+GROUP_SIZES = (32, 64, 128)
+_DESCRIPTION = {
+    "layout": LAYOUT,
+    "version": LAYOUT_VERSION,
+    "source": "sglang int4_scaled_mm_cpu / convert_weight_packed_scale_zp (vLLM CPU port identical)",
+    "block_n": BLOCK_N,
+    "block_k": "min(G, 128)",
+    "qweight": "uint8 [N/32, K/bk, bk*16 + 128]",
+    "nibbles": "byte kg*64 + j*4 + ki: low q[n0+c(j), k0+4kg+ki], high q[n0+c(j)+8, ...], c(j) = j if j < 8 else j + 8",
+    "compensation": "int32 little-endian [32] after the nibbles: sum over the block of (q - z)",
+    "scales": "fp32 [N/32, K/G, 32]",
+    "zeros": "int8 [N/32, K/G, 32], values 0..15",
+    "math": "C = bias; C = fma(fp32(acc_int32) * s_a, s_w, C) per K block in order; bf16(C)",
+}
+LAYOUT_HASH = hashlib.sha256(json.dumps(_DESCRIPTION, sort_keys=True).encode()).hexdigest()
+
+CALLS: Counter = Counter()  # "w4a8_linear", "blocks_int_mm", "blocks_fp32": benchmarks check which path ran
+
+
+def block_k(group_size: int) -> int:
+    return min(group_size, MAX_BLOCK_K)
+
+
+def fingerprint(group_size: int) -> dict:
+    """What the manifest records: equal dicts mean identical bytes for the same (N, K)."""
+    return {
+        "op": LAYOUT,
+        "kernel": KERNEL,
+        "version": LAYOUT_VERSION,
+        "block_n": BLOCK_N,
+        "block_k": block_k(group_size),
+        "vnni": VNNI,
+        "layout_hash": LAYOUT_HASH,
+    }
+
+
+def check_shape(name: str, n: int, k: int, group_size: int) -> None:
+    """The kernel's constraints: N % 32, K % bk, K % 32 (its activation quantiser reads 32 at a time), K % G."""
+    if group_size not in GROUP_SIZES:
+        raise EdgeqError(f"{name}: W4A8 group size {group_size} is not supported; use one of {GROUP_SIZES}")
+    bk = block_k(group_size)
+    if n % BLOCK_N:
+        raise EdgeqError(f"{name} [{n}, {k}]: N={n} is not a multiple of {BLOCK_N} (W4A8 packs 32 output rows per block); keep the module in bf16 or use w4a16")
+    if k % bk or k % group_size:
+        raise EdgeqError(f"{name} [{n}, {k}]: K={k} is not a multiple of the K block {bk} (group size {group_size}); use a group size dividing K")
+    if k % 32:
+        raise EdgeqError(f"{name} [{n}, {k}]: K={k} is not a multiple of 32 (the kernel quantises activations 32 at a time)")
+
+
+@dataclass(frozen=True)
+class W4A8Packed:
+    """The three tensors of one W4A8 linear in the kernel's layout (see the module docstring)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return packed_shape(self.qweight, self.group_size)
+
+
+def packed_shape(qweight: torch.Tensor, group_size: int) -> tuple[int, int]:
+    """(N, K) of a packed qweight."""
+    bk = block_k(group_size)
+    return qweight.shape[0] * BLOCK_N, qweight.shape[1] * bk
+
+
+def check_packed(name: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> tuple[int, int]:
+    """Validate dtypes and shapes of the three packed tensors against each other; returns (N, K)."""
+    if group_size not in GROUP_SIZES:
+        raise EdgeqError(f"{name}: W4A8 group size {group_size} is not supported; use one of {GROUP_SIZES}")
+    bk = block_k(group_size)
+    if qweight.dtype != torch.uint8 or qweight.dim() != 3 or qweight.shape[2] != bk * 16 + COMP_BYTES:
+        raise EdgeqError(f"{name}.qweight: expected uint8 [N/32, K/{bk}, {bk * 16 + COMP_BYTES}] for G={group_size}, got {qweight.dtype} {list(qweight.shape)}")
+    n, k = packed_shape(qweight, group_size)
+    want = [n // BLOCK_N, k // group_size, BLOCK_N]
+    for t, dt, label in ((scales, torch.float32, "scales"), (zeros, torch.int8, "zeros")):
+        if t.dtype != dt or list(t.shape) != want:
+            raise EdgeqError(f"{name}.{label}: expected {dt} {want} for N={n}, K={k}, G={group_size}, got {t.dtype} {list(t.shape)}")
+    check_shape(name, n, k, group_size)
+    return n, k
+
+
+def _nibble_view(t: torch.Tensor, nc: int, kc: int, bk: int) -> torch.Tensor:
+    """A [N, K] tensor viewed as [Nc, half h, hi/lo, i, Kc, kg, ki] where row c = 16h + 8*hi + i, k = bk*kb + 4kg + ki."""
+    return t.view(nc, 2, 2, 8, kc, bk // VNNI, VNNI)
+
+
+def compensation(q: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int32 [N/32, K/bk, 32]: sum over each K block of (q - z); q uint8 [N, K], zeros [K/G, N]."""
+    n, k = q.shape
+    bk = block_k(group_size)
+    z = zeros.t().to(torch.int32).repeat_interleave(group_size // bk, dim=1)  # [N, K/bk]
+    sums = q.view(n, k // bk, bk).sum(-1, dtype=torch.int32) - bk * z
+    return sums.view(n // BLOCK_N, BLOCK_N, k // bk).permute(0, 2, 1).contiguous()
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, name: str = "weight") -> W4A8Packed:
+    """q uint8 [N, K] (0..15), scales fp32 [K/G, N], zeros int8 [K/G, N] (0..15) -> :class:`W4A8Packed`.
+
+    Callers may pack a range of 32-row blocks at a time: the bytes of rows 32a..32b are exactly rows a..b of
+    the whole tensor's packing (every tensor's first dimension is the row block).
+    """
+    if q.dim() != 2:
+        raise EdgeqError(f"{name}: expected q [N, K], got {list(q.shape)}")
+    n, k = q.shape
+    check_shape(name, n, k, group_size)
+    gc = k // group_size
+    for t, label in ((scales, "scales"), (zeros, "zeros")):
+        if list(t.shape) != [gc, n]:
+            raise EdgeqError(f"{name}.{label}: expected [{gc}, {n}] for N={n}, K={k}, G={group_size}, got {list(t.shape)}")
+    for t, label in ((q, "q"), (zeros, "zeros")):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > 15):
+            raise EdgeqError(f"{name}.{label}: values must lie in 0..15, got {int(t.min())}..{int(t.max())}")
+    if not bool(torch.isfinite(scales).all()):
+        raise EdgeqError(f"{name}.scales: NaN/Inf scale(s); re-quantise")
+    bk = block_k(group_size)
+    nc, kc = n // BLOCK_N, k // bk
+    v = _nibble_view(q.to(torch.uint8).contiguous(), nc, kc, bk)  # [nc, h, hi, i, kc, kg, ki]
+    nib = v.permute(0, 4, 5, 1, 3, 6, 2)  # [nc, kc, kg, h, i, ki, hi]: byte order, then the two nibbles
+    out = torch.empty(nc, kc, bk * 16 + COMP_BYTES, dtype=torch.uint8)
+    body = out[:, :, : bk * 16].view(nc, kc, bk // VNNI, 2, 8, VNNI)
+    torch.bitwise_or(nib[..., 0], nib[..., 1] << 4, out=body)
+    comp = compensation(q, zeros, group_size)
+    out[:, :, bk * 16 :] = comp.view(torch.uint8).view(nc, kc, COMP_BYTES)  # little-endian on x86/ARM hosts
+    blocked = lambda t: t.reshape(gc, nc, BLOCK_N).permute(1, 0, 2).contiguous()  # noqa: E731
+    return W4A8Packed(qweight=out, scales=blocked(scales.to(torch.float32)), zeros=blocked(zeros.to(torch.int8)), group_size=group_size)
+
+
+def unpack(qweight: torch.Tensor, group_size: int, blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """Packed qweight -> q uint8 [rows, K], the exact inverse of :func:`pack`.
+
+    ``blocks=(a, b)`` unpacks only 32-row blocks a..b-1 (rows 32a .. 32b-1), so a caller can work one block of N at
+    a time in scratch.
+    """
+    bk = block_k(group_size)
+    a, b = blocks if blocks is not None else (0, qweight.shape[0])
+    if not 0 <= a < b <= qweight.shape[0]:
+        raise EdgeqError(f"unpack: block range {a}..{b} outside 0..{qweight.shape[0]}")
+    nc, kc = b - a, qweight.shape[1]
+    body = qweight[a:b, :, : bk * 16].reshape(nc, kc, bk // VNNI, 2, 8, VNNI)
+    out = torch.empty(nc * BLOCK_N, kc * bk, dtype=torch.uint8)
+    v = _nibble_view(out, nc, kc, bk).permute(0, 4, 5, 1, 3, 6, 2)
+    torch.bitwise_and(body, 15, out=v[..., 0])
+    torch.bitwise_right_shift(body, 4, out=v[..., 1])
+    return out
+
+
+def unpack_compensation(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int32 [N/32, K/bk, 32] stored after the nibbles of every slot."""
+    bk = block_k(group_size)
+    return qweight[:, :, bk * 16 :].contiguous().view(torch.int32)
+
+
+def unpack_params(packed_param: torch.Tensor) -> torch.Tensor:
+    """scales or zeros [N/32, K/G, 32] -> [K/G, N]."""
+    nc, gc, _ = packed_param.shape
+    return packed_param.permute(1, 0, 2).reshape(gc, nc * BLOCK_N)
+
+
+# --- the portable path ---------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def has_vnni() -> bool:
+    """AVX512-VNNI or AMX-INT8 in /proc/cpuinfo (where torch._int_mm runs on VNNI/AMX through oneDNN)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_vnni", "amx_int8"} & flags)
+    except OSError:
+        pass
+    return False
+
+
+def _centered_block(qweight: torch.Tensor, zeros: torch.Tensor, group_size: int, a: int, b: int, scratch: torch.Tensor) -> torch.Tensor:
+    """Unpack row blocks a..b-1 into scratch as int8 (q - z) laid out [K, 32*(b-a)] (a GEMM right operand)."""
+    bk = block_k(group_size)
+    nc, kc = b - a, qweight.shape[1]
+    body = qweight[a:b, :, : bk * 16].reshape(nc, kc, bk // VNNI, 2, 8, VNNI)
+    w = scratch[: kc * bk * nc * BLOCK_N].view(kc * bk, nc * BLOCK_N)
+    # [K, cols] viewed as [kc, kg, ki, nc, h, hi, i]; permuted to the byte order [nc, kc, kg, h, i, ki] + nibble
+    v = w.view(torch.uint8).view(kc, bk // VNNI, VNNI, nc, 2, 2, 8).permute(3, 0, 1, 4, 6, 2, 5)
+    torch.bitwise_and(body, 15, out=v[..., 0])
+    torch.bitwise_right_shift(body, 4, out=v[..., 1])
+    z = zeros[a:b].permute(1, 0, 2).reshape(kc * bk // group_size, 1, 1, nc * BLOCK_N)
+    w.view(kc * bk // group_size, group_size // bk, bk, nc * BLOCK_N).sub_(z)
+    return w
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "int_mm" if has_vnni() else "fp32"
+    if backend not in ("int_mm", "fp32"):
+        raise EdgeqError(f"w4a8_linear: unknown backend {backend!r}; use 'int_mm' or 'fp32'")
+    return backend
+
+
+def _fma_probe_case(m: int, cols: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random fp32 (t [m, cols], s [cols], c [m, cols]) over wide magnitudes, plus planted cases where an FMA, a
+    multiply-then-add and a double-rounded float64 FMA all give different answers."""
+    def wide(*shape, lo, hi):
+        e = torch.randint(lo, hi, shape, generator=g).to(torch.float32)
+        return torch.randn(*shape, generator=g) * torch.exp2(e)
+    t, sw, c = wide(m, cols, lo=-20, hi=20), wide(cols, lo=-20, hi=20), wide(m, cols, lo=-45, hi=45)
+    one = 1.0 + 2.0**-12  # one*one = 1 + 2^-11 + 2^-24: a tie when rounded to fp32
+    t[:, 0], sw[0], c[:, 0] = one, one, -1.0  # fma 2^-11 + 2^-24, mul-then-add 2^-11
+    if cols > 1:
+        t[:, -1], sw[-1], c[:, -1] = one, one, 2.0**-80  # fma rounds up; a float64 sum rounded again rounds down
+    return t, sw, c
+
+
+@lru_cache(maxsize=None)
+def addcmul_is_fma() -> bool:
+    """Does ``c.addcmul_(t, s)`` (ATen: ``self + value * t1 * t2``) round once, like an FMA, on this torch build?
+
+    Compiled with contraction (GCC's default in GNU mode), every lane computes fma(t1, t2, self); otherwise it rounds
+    twice. Checked against the exact float64 emulation on vector lanes and tails, in the layout the portable path
+    uses (c and t contiguous [M, cols], s broadcast along M), including planted cases that separate the three
+    candidate roundings. Only if every element agrees is addcmul used as the FMA.
+    """
+    g = torch.Generator().manual_seed(20240607)
+    for m, cols in ((1, 1), (1, 37), (3, 64), (2, 1000), (7, 96)):
+        t, sw, c = _fma_probe_case(m, cols, g)
+        got = c.clone().addcmul_(t, sw)
+        want = fma_f32(t, sw.expand(m, cols), c)
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            return False
+    return True
+
+
+def _pick_fma(fma: str | None) -> str:
+    if fma is None:
+        return "addcmul" if addcmul_is_fma() else "exact"
+    if fma not in ("addcmul", "exact"):
+        raise EdgeqError(f"w4a8_linear: unknown fma {fma!r}; use 'addcmul' or 'exact'")
+    return fma
+
+
+def _chunk_blocks(m: int, k: int, nc: int, budget: int, backend: str) -> int:
+    """32-row blocks per chunk so the scratch (weights [K, cols] + ~32 bytes per output element) fits ``budget``."""
+    per_col = k * (5 if backend == "fp32" else 1) + m * 32
+    return max(1, min(nc, budget // (per_col * BLOCK_N)))
+
+
+def w4a8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    fused: bool = True,
+    backend: str | None = None,
+    fma: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    scratch_bytes: int = 8 << 20,
+    name: str = "w4a8_linear",
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with the W4A8 kernel's arithmetic, bit for bit: x bf16/fp32 [..., K] -> bf16 [..., N].
+
+    Reads the packed tensors directly, unpacking a chunk of 32-row blocks at a time into a bounded scratch
+    (``scratch_bytes``, freed on return): no second copy of the weight persists. Integer block dot products run on
+    ``torch._int_mm`` (``backend="int_mm"``, default where the CPU has AVX512-VNNI/AMX) or an fp32 GEMM on the
+    integer values (``"fp32"``; exact: |q_a| <= 127, |q - z| <= 15, so every product and partial sum over
+    bk <= 128 inputs is an integer below 127*15*128 = 243840 < 2^24). Both give identical bits.
+    ``fused=False`` replaces the fused multiply-add by a rounded multiply then a rounded add.
+    """
+    n, k = check_packed(name, qweight, scales, zeros, group_size)
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != k:
+        raise EdgeqError(f"{name}: expected x bf16/fp32 [..., {k}], got {x.dtype} {list(x.shape)}")
+    if bias is not None and list(bias.shape) != [n]:
+        raise EdgeqError(f"{name}.bias: expected [{n}], got {list(bias.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise EdgeqError(f"{name}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    backend = _pick_backend(backend)
+    fma = _pick_fma(fma)
+    CALLS["w4a8_linear"] += 1
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return out.reshape(*lead, n)
+    q_a, s_a = quantize_activations(x2)
+    s_a = s_a.unsqueeze(1)
+    a_mat = q_a if backend == "int_mm" else q_a.to(torch.float32)
+    bk = block_k(group_size)
+    kc, nc = k // bk, n // BLOCK_N
+    step = _chunk_blocks(m, k, nc, scratch_bytes, backend)
+    scratch = torch.empty(k * step * BLOCK_N, dtype=torch.int8)
+    b32 = bias.to(torch.float32) if bias is not None else None
+    for a in range(0, nc, step):
+        b = min(nc, a + step)
+        cols = (b - a) * BLOCK_N
+        w = _centered_block(qweight, zeros, group_size, a, b, scratch)
+        if backend == "fp32":
+            w = w.to(torch.float32)
+        s_w = scales[a:b].permute(1, 0, 2).reshape(k // group_size, cols)
+        c = torch.zeros(m, cols)
+        if b32 is not None:
+            c.copy_(b32[a * BLOCK_N : b * BLOCK_N].expand(m, cols))
+        p = s = None
+        if fused and fma == "exact":
+            p = torch.empty(m, cols, dtype=torch.float64)
+            s = torch.empty_like(p)
+        for kb in range(kc):
+            ks = slice(kb * bk, (kb + 1) * bk)
+            acc = torch._int_mm(a_mat[:, ks], w[ks]) if backend == "int_mm" else torch.mm(a_mat[:, ks], w[ks])
+            t = acc * s_a  # fp32(acc) * s_a: one fp32 rounding (int32 -> fp32 is exact below 2^24)
+            sw = s_w[kb * bk // group_size]
+            if not fused:
+                c.add_(t.mul_(sw))
+            elif fma == "addcmul":
+                c.addcmul_(t, sw)  # fma(t, sw, c) on this build: checked by addcmul_is_fma()
+            else:
+                fma_into(t, sw.to(torch.float64), c, p, s)
+        CALLS[f"blocks_{backend}"] += kc * (b - a)
+        CALLS[f"fma_{fma if fused else 'unfused'}"] += kc * (b - a)
+        out[:, a * BLOCK_N : b * BLOCK_N] = c
+    return out.reshape(*lead, n)
