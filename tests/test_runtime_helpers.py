@@ -30,11 +30,40 @@ _EXTRA = {
     "gemma2": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=48, tie_word_embeddings=True),
 }
 
+
 def tiny_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
     config = AutoConfig.for_model(arch, **{**_COMMON, **_EXTRA[arch], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers initialises biases to 0; give Qwen2's q/k/v biases something to carry
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.05)
     return model.to(torch.bfloat16).eval()
+
+
+def _save(tensors: dict, out: Path, shards: int) -> dict:
+    """Write tensors as one file or ``shards`` files plus an index; returns {file name: None}."""
+    names = sorted(tensors)
+    if shards == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return {"model.safetensors": None}
+    per = -(-len(names) // shards)
+    weight_map, files = {}, {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i * per : (i + 1) * per]
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+        files[fname] = None
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
 
 
 def save_hf(model: nn.Module, out: Path) -> Path:
@@ -139,3 +168,24 @@ def avx2_like_layout() -> tinygemm.TinygemmLayout:
         block_n=32, perms=((16, tuple(range(16))), (32, tuple(v for j in range(16) for v in (j, j + 16)))),
         torch_version=torch.__version__, cpu_capability="AVX2",
     )
+
+
+_CACHE: dict[str, Path] = {}
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def prose_checkpoint(tmp_path_factory) -> Path:
+    """The bundled trained fixture (Llama, tied head) quantised w4a16-g128 minmax, once per test session."""
+    if "prose" not in _CACHE:
+        _CACHE["prose"] = quantize(FIXTURE, tmp_path_factory.mktemp("prose") / "q", group_size=128)
+    return _CACHE["prose"]
+
+
+def with_chat_template(qdir: Path, out: Path) -> Path:
+    """A copy of ``qdir`` whose tokenizer has a (tiny, made-up) chat template."""
+    shutil.copytree(qdir, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out

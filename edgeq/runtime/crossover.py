@@ -1,0 +1,81 @@
+"""The prefill crossover: the smallest M at which dequantise-then-GEMM beats the int4 kernel, measured here.
+
+The kernel's time grows with M (it re-dequantises every weight for every row block of x); the dequant path pays
+one dequantisation per call plus a bf16 GEMM that is cheap per row. Both are modelled as ``t(M) = a + b * M`` from
+two timed sizes (median of 3 each), and the crossover is where the lines meet, clamped to [2, 1024]. The result is
+cached per machine and shape class in ``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``)/crossover.json, keyed by
+torch version, CPU capability, thread count, kernel path and (N, K, G) of the probed layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from edgeq.layouts import tinygemm
+
+M_SMALL, M_LARGE = 8, 64
+LOW, HIGH = 2, 1024
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGEQ_CACHE_DIR") or Path.home() / ".cache" / "edgeq")
+
+
+def _key(layer, path: str) -> str:
+    return "|".join([torch.__version__, tinygemm.capability(), f"threads={torch.get_num_threads()}", path,
+                     f"N={layer.out_features}", f"K={layer.in_features}", f"G={layer.group_size}"])
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()  # warm-up: first calls allocate
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(layer) -> int:
+    """Time both paths of one Int4Linear at M_SMALL and M_LARGE; return the crossover M."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M_LARGE, layer.in_features, generator=gen).to(torch.bfloat16)
+    lines = []
+    for fn in (layer.forward_kernel, layer.forward_dequant):
+        t_small = _time(lambda: fn(x[:M_SMALL].contiguous()))
+        t_large = _time(lambda: fn(x))
+        slope = max((t_large - t_small) / (M_LARGE - M_SMALL), 1e-12)
+        lines.append((t_small - slope * M_SMALL, slope))
+    (ka, kb), (da, db) = lines
+    if kb <= db:  # the kernel is never slower per row: use it everywhere the probe can see
+        return HIGH
+    m = (da - ka) / (kb - db)
+    return int(min(HIGH, max(LOW, round(m))))
+
+
+def crossover(layer, path: str) -> tuple[int, str]:
+    """Return (crossover M, "cached" | "measured"); counters touched by the probe are the caller's to reset."""
+    key = _key(layer, path)
+    file = cache_dir() / "crossover.json"
+    try:
+        table = json.loads(file.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if isinstance(table.get(key), int):
+        return table[key], "cached"
+    m = measure(layer)
+    table[key] = m
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(file)
+    except OSError:
+        pass  # a read-only home only costs a re-measure next time
+    return m, "measured"

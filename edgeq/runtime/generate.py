@@ -1,0 +1,238 @@
+"""edgeq's own generation loop: one prefill, then one token at a time through the static KV cache.
+
+No transformers ``generate`` in the hot loop: each step is one model forward with ``logits_to_keep=1`` (the head,
+the largest matmul, runs only for the last position), then sampling on the fp32 logits:
+
+- temperature 0: greedy (argmax);
+- otherwise ``softmax(logits / T)``, restricted by top-p to the smallest set of most likely tokens whose
+  probability reaches ``top_p`` (the most likely token is always kept), sampled with a ``torch.Generator`` seeded
+  by ``seed`` (reproducible) or from the OS;
+- logprobs are always of the model's distribution (``log_softmax(logits)``, before temperature and top-p).
+
+Text is streamed by decoding all generated ids and emitting the new suffix; text that could still be the start of a
+stop string, or that ends in an incomplete UTF-8 sequence (U+FFFD), is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from edgeq.errors import EdgeqError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob plus the k most likely alternatives
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise EdgeqError(f"max_tokens={self.max_tokens}: must be at least 1")
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise EdgeqError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise EdgeqError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise EdgeqError(f"logprobs={self.logprobs}: must be between 0 and 20")
+        if any(not s for s in self.stop):
+            raise EdgeqError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed step: the new text (may be empty while held back) and the token(s) it completes."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) | "length" | "cancelled"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1  # the first token comes out of the prefill
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+def eos_ids(lm) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(lm.model, "generation_config", None), lm.config, lm.tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token id from fp32 logits [V]."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of strictly more likely tokens
+        sorted_p[before >= params.top_p] = 0  # keeps the smallest prefix reaching top_p, and always the first
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    lp = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(lp, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprob(token, float(lp[token]), pairs)
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters might still turn into a stop string or a complete UTF-8 character."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
+    return hold
+
+
+class Generation:
+    """Iterate to stream :class:`Delta` values; ``.result`` holds the totals once iteration ends."""
+
+    def __init__(self, lm, prompt_ids: list[int], params: SamplingParams, cancel: Callable[[], bool] | None = None):
+        if lm.tokenizer is None:
+            raise EdgeqError(f"{lm.path}: no tokenizer files; cannot generate text")
+        if not prompt_ids:
+            raise EdgeqError("the prompt is empty (0 tokens)")
+        self.lm, self.prompt_ids, self.params, self.cancel = lm, list(prompt_ids), params, cancel
+        need = len(prompt_ids) + params.max_tokens
+        limit = min(lm.settings.max_model_len, lm.cache.capacity)
+        if need > limit:
+            raise EdgeqError(
+                f"request needs {need} tokens (prompt {len(prompt_ids)} + max_tokens {params.max_tokens}) but the "
+                f"context holds {limit} (max_model_len={lm.settings.max_model_len}, KV cache {lm.cache.capacity} "
+                f"tokens); shorten the prompt, lower max_tokens, or raise --max-model-len/--kv-cache-bytes"
+            )
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids))
+
+    def __iter__(self) -> Iterator[Delta]:
+        lm, p, r = self.lm, self.params, self.result
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        if gen is None and p.temperature > 0:
+            gen = torch.Generator()
+            gen.seed()
+        eos = set() if p.ignore_eos else eos_ids(lm)
+        lm.cache.reset()
+        emitted = 0
+        t0 = time.perf_counter()
+        logits = lm.forward(torch.tensor([self.prompt_ids]), logits_to_keep=1)[0, -1].float()
+        r.prefill_seconds = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        while True:
+            token = sample(logits, p, gen)
+            lp = (_logprob(logits, token, p.logprobs),) if p.logprobs is not None else ()
+            if token in eos:
+                r.finish_reason = "stop"
+                break
+            r.token_ids.append(token)
+            r.logprobs.extend(lp)
+            text = lm.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            cut = min((text.find(s) for s in p.stop if s in text), default=-1)
+            if cut >= 0:
+                r.text = text[:cut]
+                r.finish_reason = "stop"
+                yield Delta(text[emitted:cut] if cut > emitted else "", (token,), lp)
+                emitted = max(emitted, cut)
+                break
+            r.text = text
+            safe = len(text) - _held_back(text, p.stop)
+            yield Delta(text[emitted:safe] if safe > emitted else "", (token,), lp)
+            emitted = max(emitted, safe)
+            if len(r.token_ids) >= p.max_tokens:
+                r.finish_reason = "length"
+                break
+            if self.cancel is not None and self.cancel():
+                r.finish_reason = "cancelled"
+                break
+            logits = lm.forward(torch.tensor([[token]]), logits_to_keep=1)[0, -1].float()
+        if len(r.text) > emitted:  # text held back for a stop string that never came
+            yield Delta(r.text[emitted:], (), ())
+        r.decode_seconds = time.perf_counter() - t_decode
+
+
+def encode_prompt(lm, prompt: str | list[dict], chat: bool) -> list[int]:
+    """Token ids of a plain prompt (with the tokenizer's special tokens) or of chat messages via the chat template."""
+    tok = lm.tokenizer
+    if tok is None:
+        raise EdgeqError(f"{lm.path}: no tokenizer files; cannot encode a prompt")
+    if not chat:
+        return list(tok(prompt)["input_ids"])
+    if not getattr(tok, "chat_template", None):
+        raise EdgeqError(f"{lm.path}: the tokenizer has no chat template (tokenizer_config.json chat_template or "
+                         f"chat_template.jinja); run without --chat")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool = False) -> GenerationResult:
+    g = Generation(lm, encode_prompt(lm, prompt, chat), params or SamplingParams())
+    for _ in g:
+        pass
+    return g.result
+
+
+def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int | None = None, chat: bool = False, max_model_len: int | None = None,
+                     kv_cache_bytes: str = "256MiB", stop: list[str] | None = None, strict_layout: bool = False,
+                     threads: int | None = None) -> None:
+    """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr."""
+    from edgeq.runtime.loader import load  # noqa: PLC0415
+
+    t = time.perf_counter()
+    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads)
+    s = lm.settings
+    print(f"loaded {path} in {time.perf_counter() - t:.2f} s: {s.scheme or 'bf16'}, decode {s.decode_path}, prefill "
+          f"{s.prefill_path} (M >= {s.prefill_crossover}), max_model_len {s.max_model_len}, KV cache "
+          f"{s.max_cached_tokens} tokens, {s.threads} threads", file=sys.stderr)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
+    g = Generation(lm, encode_prompt(lm, prompt, chat), params)
+    for d in g:
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = g.result
+    print(f"prefill {r.prompt_tokens} tokens at {r.prefill_tokens_per_s:.1f} tok/s; decode {len(r.token_ids)} tokens "
+          f"at {r.decode_tokens_per_s:.1f} tok/s; finish: {r.finish_reason}; paths {dict(lm.path_counts)}", file=sys.stderr)

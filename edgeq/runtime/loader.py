@@ -1,0 +1,251 @@
+"""``load(path)``: an edgeq checkpoint (or a plain bf16 HF checkpoint, the reference) ready to run.
+
+Steps: read config.json and the manifest (refusing what this version does not understand); re-run the layout probe
+and compare fingerprints (repack in memory with a warning, or refuse under ``strict_layout``); build the model on
+the meta device; swap every quantised Linear for :class:`Int4Linear` over the mapped packed bytes; attach every
+other tensor as a mapped view; allocate the static KV cache from the byte budget; size the shared prefill scratch;
+measure (or read from cache) the prefill crossover. The effective settings are read back from the built objects.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.runtime import crossover, skeleton
+from edgeq.runtime.kvcache import StaticKVCache, plan_kv
+from edgeq.runtime.qinfo import QuantInfo, read_json, read_quant_info
+from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
+from edgeq.runtime.sizes import format_bytes, parse_bytes
+from edgeq.runtime.weights import MappedFiles
+
+
+class LayoutRepackWarning(UserWarning):
+    """The checkpoint was packed for another kernel layout and was repacked in memory at load."""
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What the loaded runtime really uses, read back from the objects it built (not echoed from arguments)."""
+
+    quantized: bool
+    scheme: str | None
+    max_model_len: int
+    kv_cache_budget: int
+    kv_cache_bytes: int  # allocated, summed over the cache tensors
+    kv_bytes_per_token: int
+    max_cached_tokens: int
+    threads: int
+    kernel_paths: tuple[tuple[str, str], ...]  # (scheme, "decode path + prefill path")
+    decode_path: str
+    prefill_path: str
+    prefill_crossover: int | None  # M at and above which the dequant path runs
+    crossover_source: str  # "override" | "measured" | "cached" | "n/a"
+    layout: str  # "native" | "repacked" | "n/a"
+    layout_hash: str | None
+    scratch_bytes: int
+    mapped_bytes: int  # checkpoint bytes used as file-backed views
+    copied_bytes: int  # bytes that had to be materialised in anonymous memory (casts, repacks)
+    dtype: str
+
+
+class LoadedModel:
+    """A ready model: ``.model`` (transformers module), ``.tokenizer``, ``.config``, ``.manifest``, ``.cache``,
+    ``.settings`` and ``.path_counts`` (calls per compute path: tinygemm_decode, native_decode, dequant_prefill,
+    bf16)."""
+
+    def __init__(self, *, path, model, tokenizer, config, manifest, cache, settings, path_counts, runtime, files):
+        self.path = Path(path)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.manifest = manifest
+        self.cache = cache
+        self.settings = settings
+        self.path_counts = path_counts
+        self.runtime = runtime
+        self._files = files  # keeps the mappings alive as long as the model
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (f"LoadedModel({self.path.name}: {s.scheme or 'bf16'}, max_model_len={s.max_model_len}, "
+                f"kv={format_bytes(s.kv_cache_bytes)}, decode={s.decode_path}, prefill={s.prefill_path})")
+
+    def reset_counts(self) -> None:
+        self.path_counts.clear()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, *, logits_to_keep: int = 0, use_cache: bool = True) -> torch.Tensor:
+        """Logits [1, T or logits_to_keep, V] for ``input_ids`` [1, T], appended to the static cache."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        start = self.cache.length if use_cache else 0
+        if use_cache:
+            self.cache.check_room(input_ids.shape[1])
+        elif input_ids.shape[1] > self.settings.max_model_len:
+            raise EdgeqError(f"input of {input_ids.shape[1]} tokens exceeds max_model_len={self.settings.max_model_len}")
+        positions = torch.arange(start, start + input_ids.shape[1])[None]
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache if use_cache else None,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep)
+        return out.logits
+
+
+def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
+         prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> LoadedModel:
+    """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    budget = parse_bytes(kv_cache_bytes, "kv_cache_bytes")
+    config_dict = read_json(path / "config.json")
+    info = read_quant_info(path, config_dict)
+    manifest = read_json(path / "edgeq_manifest.json") if info else None
+    if info and dtype != torch.bfloat16:
+        raise EdgeqError(f"{path}: edgeq checkpoints run in bfloat16 (the kernel's activation type), not {dtype}")
+    config = skeleton.load_config(path)
+    files = MappedFiles(path)
+    model = skeleton.build_meta_model(config, dtype)
+    counts: Counter = Counter()
+    runtime = None
+    consumed: set[str] = set()
+    copied = qmapped = 0
+    layout_state = "n/a"
+    if info:
+        runtime, consumed, copied, qmapped, layout_state = _swap_quantized(model, files, info, counts, strict_layout)
+    stats = skeleton.attach(model, files, dtype, consumed, tie_head=not info and bool(getattr(config, "tie_word_embeddings", False)))
+    copied += stats["copied"]
+    if not info:
+        _count_bf16_linears(model, counts)
+    plan, max_model_len = plan_kv(config, budget, max_model_len)
+    cache = StaticKVCache(plan, dtype=dtype)
+    source, xover = "n/a", None
+    quantized = [m for m in model.modules() if getattr(m, "edgeq_quantized", False)]
+    if runtime:
+        runtime.scratch = scratch_for(quantized)
+        xover, source = _crossover(runtime, quantized, info, prefill_threshold)
+        runtime.prefill_threshold = xover
+        counts.clear()
+    settings = RuntimeSettings(
+        quantized=bool(info),
+        scheme=str(info.scheme) if info else None,
+        max_model_len=max_model_len,
+        kv_cache_budget=budget,
+        kv_cache_bytes=cache.allocated_bytes,
+        kv_bytes_per_token=plan.bytes_per_token,
+        max_cached_tokens=cache.capacity,
+        threads=torch.get_num_threads(),
+        kernel_paths=((str(info.scheme), f"{runtime.decode_path} (M < {xover}) + dequant_prefill (M >= {xover})"),) if info else (("bf16", "bf16"),),
+        decode_path=runtime.decode_path if runtime else "bf16",
+        prefill_path="dequant_prefill" if runtime else "bf16",
+        prefill_crossover=xover,
+        crossover_source=source,
+        layout=layout_state,
+        layout_hash=tinygemm.probe().layout_hash if info else None,
+        scratch_bytes=runtime.scratch.nbytes if runtime else 0,
+        mapped_bytes=stats["mapped"] + qmapped,
+        copied_bytes=copied,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config, manifest=manifest,
+                       cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files)
+
+
+def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
+    here = tinygemm.probe()
+    native = _native()
+    if native is not None:
+        try:
+            native = native if native.supports(here) else None
+        except Exception:
+            native = None
+    runtime = Runtime(layout=here, counts=counts, native=native)
+    foreign = not info.layout.is_compatible(here)
+    if foreign and strict:
+        raise EdgeqError(
+            f"checkpoint packed for layout {info.layout.layout_hash[:12]} ({info.layout.cpu_capability}, torch "
+            f"{info.layout.torch_version}, block {info.layout.block_n}) but this machine's kernel uses "
+            f"{here.layout_hash[:12]} ({here.cpu_capability}, torch {here.torch_version}, block {here.block_n}); "
+            f"run `edgeq repack` on it, or load without --strict-layout to repack in memory"
+        )
+    consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
+    g = info.scheme.group_size
+    for name in info.quantized_modules:
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as e:
+            raise EdgeqError(f"manifest lists quantised module {name} but the model built from config.json has no such module") from e
+        if not isinstance(old, nn.Linear):
+            raise EdgeqError(f"{name}: listed as quantised but is a {type(old).__name__}, not a Linear")
+        qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
+        n, k = tinygemm.check_shapes(name, qweight, sz, g)
+        if (n, k) != (old.out_features, old.in_features):
+            raise EdgeqError(f"{name}: packed weight is [{n}, {k}] but config.json implies [{old.out_features}, {old.in_features}]")
+        if foreign:
+            qweight = tinygemm.pack(tinygemm.unpack(qweight, n, k, info.layout), here)
+            copied += qweight.numel()
+        else:
+            mapped += qweight.numel()
+        mapped += sz.numel() * sz.element_size()
+        bias = None
+        consumed.update({f"{name}.qweight", f"{name}.scales_and_zeros"})
+        if old.bias is not None:
+            if f"{name}.bias" not in files:
+                raise EdgeqError(f"{name}: the model has a bias but the checkpoint has no {name}.bias")
+            bias = files.get(f"{name}.bias")
+            if bias.dtype != torch.bfloat16:
+                bias = bias.to(torch.bfloat16)
+                copied += bias.numel() * 2
+            else:
+                mapped += bias.numel() * 2
+            consumed.add(f"{name}.bias")
+        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, g, bias, runtime))
+    if foreign:
+        warnings.warn(
+            f"REPACKED IN MEMORY: checkpoint layout {info.layout.layout_hash[:12]} ({info.layout.cpu_capability}, "
+            f"block {info.layout.block_n}) is not this machine's {here.layout_hash[:12]} ({here.cpu_capability}, "
+            f"block {here.block_n}); repacking {len(info.quantized_modules)} tensors took "
+            f"{time.perf_counter() - t0:.2f} s and {format_bytes(copied)} ({copied} bytes) of anonymous memory. "
+            f"Run `edgeq repack` once to avoid this cost.",
+            LayoutRepackWarning, stacklevel=3,
+        )
+    return runtime, consumed, copied, mapped, "repacked" if foreign else "native"
+
+
+def _crossover(runtime: Runtime, quantized, info: QuantInfo, override: int | None) -> tuple[int, str]:
+    if override is not None:
+        if int(override) < 1:
+            raise EdgeqError(f"prefill_threshold={override}: must be >= 1 (1 = always dequantise)")
+        return int(override), "override"
+    body = [m for m in quantized if m.name != info.head_name] or quantized
+    probe_layer = max(body, key=lambda m: m.out_features * m.in_features)
+    return crossover.crossover(probe_layer, runtime.decode_path)
+
+
+def _count_bf16_linears(model: nn.Module, counts: Counter) -> None:
+    def hook(_module, _inputs):
+        counts["bf16"] += 1
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_pre_hook(hook)
+
+
+def _tokenizer(path: Path):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None  # synthetic checkpoints (benchmarks) have no tokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise EdgeqError(f"{path}: tokenizer files present but unreadable ({e})") from e

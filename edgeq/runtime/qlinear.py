@@ -1,0 +1,202 @@
+"""edgeq's quantised Linear: one packed buffer, two compute paths.
+
+- decode (M < crossover): the int4 kernel reads the packed bytes as they are (``tinygemm.mm``, or the native kernel
+  when ``edgeq.runtime.native`` exists and supports the layout);
+- prefill (M >= crossover): the weight is dequantised a row block at a time into a bf16 scratch buffer shared by
+  every layer of the model, and each block goes through a bf16 GEMM. No second copy of any weight persists.
+
+Dequantisation (the same numbers as ``tinygemm.dequantize``, fp32 arithmetic then one rounding to bf16)::
+
+    w[n, k] = (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]
+
+For the fast path the packed bytes of ``c`` full row blocks of ``s`` rows are viewed as ``[K, c, s/2]`` (they are
+k-major within a block): the low nibbles hold the rows ``perm[0::2]``, the high nibbles ``perm[1::2]``. When the
+measured permutation is "halves" (``perm = [0, s/2, 1, s/2+1, ...]``, AVX512/AVX2 full blocks) or "adjacent"
+(``perm = [0, 1, 2, ...]``) the nibbles land in row order with two strided writes, so the block is produced directly
+as W^T ``[K, rows]`` and multiplied as ``x @ W^T``. Any other permutation and tail blocks go through
+``tinygemm.unpack`` (exact, slower). Worked example (AVX512, s = 64): byte 0 of a block is ``q[0, 0] | q[32, 0] << 4``,
+so the fast path writes ``q[0, 0]`` to W^T[0, 0] and ``q[32, 0]`` to W^T[0, 32].
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from edgeq.layouts import tinygemm
+from edgeq.layouts.tinygemm import TinygemmLayout
+
+SCRATCH_TARGET_ELEMS = 1 << 21  # ~2M weights per block: 4 MiB bf16 + 8 MiB fp32 + 2 MiB uint8 of scratch
+
+
+def _native():
+    """``edgeq.runtime.native`` if it exists and works here, else None (written by another engineer; optional)."""
+    try:
+        from edgeq.runtime import native  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        return native if native.available() else None
+    except Exception:  # a broken build must not stop the aten path
+        return None
+
+
+class Scratch:
+    """One set of reusable buffers for the prefill path, shared by all quantised layers of a model.
+
+    Sized at load to the largest block any layer asks for (never more than that layer's whole weight), so the
+    bound is ``max over layers of min(N, rows_per_block) * K`` elements times 7 bytes (bf16 + fp32 + uint8).
+    """
+
+    def __init__(self, elems: int):
+        self.elems = elems
+        self.bf16 = torch.empty(elems, dtype=torch.bfloat16)
+        self.f32 = torch.empty(elems, dtype=torch.float32)
+        self.u8 = torch.empty(elems, dtype=torch.uint8)
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.elems * 7
+
+
+@dataclass
+class Runtime:
+    """State shared by every quantised module of one loaded model (paths, threshold, counters, scratch)."""
+
+    layout: TinygemmLayout
+    prefill_threshold: int = 32
+    counts: Counter = field(default_factory=Counter)
+    scratch: Scratch | None = None
+    native: object | None = None
+
+    @property
+    def decode_path(self) -> str:
+        return "native_decode" if self.native is not None else "tinygemm_decode"
+
+
+def rows_per_block(n: int, k: int, block_n: int) -> int:
+    """Rows dequantised at a time: about SCRATCH_TARGET_ELEMS weights, a whole number of layout blocks, <= N."""
+    rows = max(block_n, (SCRATCH_TARGET_ELEMS // max(k, 1)) // block_n * block_n)
+    return min(rows, n)
+
+
+def _nibble_order(layout: TinygemmLayout) -> str | None:
+    """How a full block's nibbles map to rows: "halves", "adjacent" or None (general)."""
+    s = layout.block_n
+    perm = layout.perm(s)
+    if list(perm[0::2]) == list(range(s // 2)) and list(perm[1::2]) == list(range(s // 2, s)):
+        return "halves"
+    if list(perm) == list(range(s)):
+        return "adjacent"
+    return None
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W).T + bias, W stored tinygemm-packed (uint8 [N, K/2]) with bf16 scales_and_zeros [K/G, N, 2]."""
+
+    edgeq_quantized = True
+
+    def __init__(self, name: str, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None, runtime: Runtime):
+        super().__init__()
+        self.name = name
+        self.out_features, self.in_features = tinygemm.check_shapes(name, qweight, scales_and_zeros, group_size)
+        self.group_size = group_size
+        # Plain attributes, not buffers: .to()/.state_dict() must never copy the mapped bytes.
+        self.qweight = qweight
+        self.scales_and_zeros = scales_and_zeros
+        self.bias = bias
+        self.runtime = runtime
+        self._order = _nibble_order(runtime.layout)
+        self._rows = rows_per_block(self.out_features, self.in_features, runtime.layout.block_n)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, int4 tinygemm"
+
+    @property
+    def scratch_elems(self) -> int:
+        return self._rows * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        x2 = x2.contiguous()
+        if x2.shape[0] >= self.runtime.prefill_threshold:
+            y = self.forward_dequant(x2)  # adds the bias inside the GEMM, as nn.Linear does
+        else:
+            y = self.forward_kernel(x2)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        rt.counts[rt.decode_path] += 1
+        if rt.native is not None:
+            return rt.native.int4_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        return tinygemm.mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+
+    def forward_dequant(self, x2: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        rt.counts["dequant_prefill"] += 1
+        scratch = rt.scratch
+        if scratch is None or scratch.elems < self.scratch_elems:
+            raise RuntimeError(f"{self.name}: prefill scratch not sized for this layer (load() sizes it)")
+        n = self.out_features
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        with scratch.lock:
+            for a in range(0, n, self._rows):
+                b = min(n, a + self._rows)
+                wt = self.dequantize_rows_t(a, b, scratch)
+                bias = self.bias[a:b] if self.bias is not None else None
+                if b - a == n:
+                    torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias, x2, wt, out=out)
+                else:
+                    out[:, a:b] = x2 @ wt if bias is None else torch.addmm(bias, x2, wt)
+        return out
+
+    def dequantize_rows_t(self, a: int, b: int, scratch: Scratch) -> torch.Tensor:
+        """W[a:b].T as bf16 [K, b - a], a view of ``scratch.bf16``. ``a`` is on a layout block boundary."""
+        k, g, s = self.in_features, self.group_size, self.runtime.layout.block_n
+        rows = b - a
+        full = (min(b, self.out_features // s * s) - a) // s if self._order else 0
+        full = max(full, 0)
+        wt = scratch.bf16[: k * rows].view(k, rows)
+        if full:
+            self._fast_blocks(a, full, scratch, wt[:, : full * s])
+        if full * s < rows:  # tail block(s) or an unmodelled permutation: the exact general unpack
+            lo = a + full * s
+            q = tinygemm.unpack(self.qweight, self.out_features, k, self.runtime.layout, rows=(lo, b))
+            w = tinygemm.dequantize(q, self.scales_and_zeros[:, lo:b], g, torch.bfloat16)
+            wt[:, full * s :].copy_(w.t())
+        return wt
+
+    def _fast_blocks(self, a: int, c: int, scratch: Scratch, out_t: torch.Tensor) -> None:
+        k, g, s = self.in_features, self.group_size, self.runtime.layout.block_n
+        rows = c * s
+        packed = self.qweight.view(-1)[a * k // 2 : (a + rows) * k // 2].view(c, k, s // 2).permute(1, 0, 2)
+        q = scratch.u8[: k * rows]
+        if self._order == "halves":
+            qv = q.view(k, c, 2, s // 2)
+            torch.bitwise_and(packed, 15, out=qv[:, :, 0])
+            torch.bitwise_right_shift(packed, 4, out=qv[:, :, 1])
+        else:  # adjacent: even rows in low nibbles, odd rows in high nibbles
+            qv = q.view(k, c, s // 2, 2)
+            torch.bitwise_and(packed, 15, out=qv[..., 0])
+            torch.bitwise_right_shift(packed, 4, out=qv[..., 1])
+        f = scratch.f32[: k * rows].view(k // g, g, rows)
+        f.copy_(q.view(k // g, g, rows))
+        sz = self.scales_and_zeros[:, a : a + rows].to(torch.float32)
+        f.sub_(8.0).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
+        out_t.copy_(f.view(k, rows))
+
+
+def scratch_for(modules: list[Int4Linear]) -> Scratch:
+    return Scratch(max((m.scratch_elems for m in modules), default=0))

@@ -1,0 +1,128 @@
+"""``repack(path)``: rewrite an edgeq checkpoint's packed weights for this machine's kernel layout.
+
+Every ``*.qweight`` is unpacked with the layout recorded in the manifest and packed with the target layout (this
+machine's :func:`~edgeq.layouts.tinygemm.probe` by default); every other tensor and file is copied unchanged. The
+result is written into a temporary sibling directory and renamed into place (the old directory is renamed aside
+first and removed last), so an interruption leaves either the old or the new checkpoint, never a mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.layouts.tinygemm import TinygemmLayout
+from edgeq.runtime.qinfo import MANIFEST, read_json, read_quant_info
+from edgeq.runtime.weights import MappedFiles, read_header
+
+
+@dataclass(frozen=True)
+class RepackReport:
+    path: str
+    changed: bool
+    tensors: int
+    bytes_repacked: int
+    seconds: float
+    old_layout_hash: str
+    new_layout_hash: str
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _metadata(shard: Path) -> dict | None:
+    import struct  # noqa: PLC0415
+
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)).get("__metadata__")
+
+
+def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackReport:
+    """Repack ``path`` in place (or into ``out``) for ``layout`` (default: this machine's)."""
+    src = Path(path).resolve()
+    dst = Path(out).resolve() if out is not None else src
+    config = read_json(src / "config.json")
+    info = read_quant_info(src, config)
+    if info is None:
+        raise EdgeqError(f"{src}: not an edgeq checkpoint (no quantization_config); nothing to repack")
+    target = layout or tinygemm.probe()
+    changed = not info.layout.is_compatible(target)
+    if not changed and dst == src:
+        return RepackReport(str(dst), False, 0, 0, 0.0, info.layout.layout_hash, target.layout_hash)
+    if dst != src and dst.exists() and any(dst.iterdir()):
+        raise EdgeqError(f"{dst}: exists and is not empty; choose another output directory")
+    t0 = time.perf_counter()
+    files = MappedFiles(src)
+    quantized = set(info.quantized_modules)
+    tmp = dst.parent / f".{dst.name}.edgeq-repack-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    count = nbytes = 0
+    try:
+        shards = sorted({Path(i.file) for i in files.infos.values()})
+        digests = {}
+        for shard in shards:
+            header, _ = read_header(shard)
+            tensors = {}
+            for name in header:
+                t = files.get(name)
+                module = name.removesuffix(".qweight")
+                if changed and name.endswith(".qweight") and module in quantized:
+                    n, k = t.shape[0], t.shape[1] * 2
+                    t = tinygemm.pack(tinygemm.unpack(t, n, k, info.layout), target)
+                    count, nbytes = count + 1, nbytes + t.numel()
+                tensors[name] = t
+            save_file(tensors, str(tmp / shard.name), metadata=_metadata(shard))
+            digests[shard.name] = _sha256(tmp / shard.name)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", MANIFEST):
+                shutil.copy2(f, tmp / f.name)
+        manifest = read_json(src / MANIFEST)
+        manifest["layout"] = target.to_json()
+        manifest["shards"] = digests
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        config["quantization_config"]["layout"] = target.fingerprint()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        del files, tensors
+        _replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return RepackReport(str(dst), changed, count, nbytes, time.perf_counter() - t0, info.layout.layout_hash, target.layout_hash)
+
+
+def _replace(tmp: Path, dst: Path) -> None:
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.edgeq-old-{os.getpid()}"
+        dst.rename(old)
+    tmp.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def repack_command(path: str, out: str | None = None) -> None:
+    """`edgeq repack PATH [--out DIR]`: rewrite the packed weights for this machine's kernel layout."""
+    import sys  # noqa: PLC0415
+
+    r = repack(path, out)
+    if not r.changed:
+        print(f"{r.path}: already packed for this machine (layout {r.new_layout_hash[:12]}); nothing to do", file=sys.stderr)
+    else:
+        print(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
+              f"to {r.new_layout_hash[:12]} in {r.seconds:.2f} s", file=sys.stderr)

@@ -1,0 +1,123 @@
+"""Build a transformers model with no weights (meta device) and attach mapped tensors to it.
+
+The transformers class is only the model definition: parameters are created on the meta device (no memory), then
+every parameter is replaced by a tensor viewing the mapped safetensors file, and every quantised Linear by an
+:class:`~edgeq.runtime.qlinear.Int4Linear` over its mapped packed bytes. Buffers that are not stored in checkpoints
+(rotary ``inv_freq``) are recomputed on the CPU by rebuilding their module from the config: they are small and do
+not depend on ``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from edgeq.errors import EdgeqError
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old checkpoints; always recomputed
+
+
+def load_config(directory):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError) as e:
+        raise EdgeqError(f"{directory}/config.json: transformers cannot read it ({e})") from e
+    return config
+
+
+def build_meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """The model class for ``config`` with every parameter on the meta device; sdpa attention where supported."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # edgeq's own; transformers must not try to apply a quantizer
+    last = None
+    for attn in ("sdpa", "eager"):
+        try:
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            break
+        except ValueError as e:  # e.g. Gemma-2: "does not support sdpa" (softcapping)
+            last = e
+    else:
+        raise EdgeqError(f"config.json: transformers cannot build {config.model_type} ({last})")
+    model.eval()
+    model.requires_grad_(False)
+    _rebuild_meta_buffer_modules(model)
+    return model
+
+
+def _rebuild_meta_buffer_modules(model: nn.Module) -> None:
+    """Non-persistent buffers left on meta (rotary ``inv_freq``, Gemma-2's ``embed_scale``) are materialised on the
+    CPU and filled by the model's own ``_init_weights``; a buffer it does not fill (still NaN) is an error."""
+    for name, module in list(model.named_modules()):
+        meta = [b for b, t in module.named_buffers(recurse=False) if t.is_meta]
+        if not meta:
+            continue
+        for b in meta:
+            t = module._buffers[b]
+            fill = float("nan") if t.is_floating_point() else 0
+            module._buffers[b] = torch.full(t.shape, fill, dtype=t.dtype, device="cpu")
+        model._init_weights(module)
+        for b in meta:
+            t = module._buffers[b]
+            if t.is_meta or (t.is_floating_point() and bool(torch.isnan(t).any())):
+                raise EdgeqError(f"{name}.{b}: this buffer is not stored in checkpoints and transformers does not "
+                                 f"compute it; {type(module).__name__} is not supported")
+
+
+def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+def attach(model: nn.Module, files, dtype: torch.dtype, skip: set[str], tie_head: bool) -> dict:
+    """Replace every meta parameter/buffer by the mapped tensor of the same name.
+
+    Tensors already in ``dtype`` are used as mapped views; others are cast (a copy, counted in the result). Returns
+    ``{"mapped": bytes, "copied": bytes, "tied": [names]}``. Every checkpoint tensor must be consumed (``skip``
+    holds those consumed elsewhere); leftovers are an error, never silently dropped.
+    """
+    stats = {"mapped": 0, "copied": 0, "tied": []}
+    used = set(skip)
+    for mod_name, module in model.named_modules():
+        for kind, store in (("param", module._parameters), ("buffer", module._buffers)):
+            for pname, current in list(store.items()):
+                if current is None or not current.is_meta:
+                    continue
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                if full not in files:
+                    continue  # tied or missing: resolved below
+                t = files.get(full)
+                if tuple(t.shape) != tuple(current.shape):
+                    raise EdgeqError(f"{full}: checkpoint shape {list(t.shape)} but config.json implies {list(current.shape)}")
+                if t.dtype != dtype and t.is_floating_point():
+                    t = t.to(dtype)
+                    stats["copied"] += t.numel() * t.element_size()
+                else:
+                    stats["mapped"] += t.numel() * t.element_size()
+                store[pname] = nn.Parameter(t, requires_grad=False) if kind == "param" else t
+                used.add(full)
+    if tie_head:
+        _tie(model, stats)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise EdgeqError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:4]}; it is incomplete "
+                         f"or does not match config.json")
+    unused = [n for n in files.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
+    if unused:
+        raise EdgeqError(f"checkpoint has {len(unused)} tensors the model does not use, e.g. {unused[:4]}; it does "
+                         f"not match config.json (edgeq never drops weights silently)")
+    return stats
+
+
+def _tie(model: nn.Module, stats: dict) -> None:
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if isinstance(out, nn.Linear) and out.weight.is_meta and not inp.weight.is_meta:
+        out.weight = inp.weight
+        stats["tied"].append("lm_head.weight")
