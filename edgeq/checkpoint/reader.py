@@ -52,8 +52,8 @@ def load_config(root: Path) -> dict:
         raise EdgeqError(f"{root}: no config.json; point edgeq at a Hugging Face model directory")
     try:
         config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EdgeqError(f"{path}: not valid JSON ({e}); restore the file from the model's source") from e
+    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8, bad JSON and over-long integers
+        raise EdgeqError(f"{path}: not valid JSON ({str(e)[:100]}); restore the file from the model's source") from e
     if not isinstance(config, dict):
         raise EdgeqError(f"{path}: expected a JSON object")
     return config
@@ -87,9 +87,11 @@ def _weight_files(root: Path) -> tuple[list[Path], dict | None]:
         try:
             index = json.loads(index_path.read_text())
             weight_map = index["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, AssertionError) as e:
+        except (ValueError, RecursionError, KeyError, TypeError) as e:
             raise EdgeqError(f"{index_path}: malformed index (needs a weight_map object); restore it from the model's source") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise EdgeqError(f"{index_path}: malformed index (weight_map must map tensor names to shard file names); "
+                             "restore it from the model's source")
         files = []
         for shard in sorted(set(weight_map.values())):
             p = root / shard

@@ -91,8 +91,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise EdgeqError(f"{path}: cannot read ({e.strerror}); check the path and permissions") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EdgeqError(f"{path}: corrupt safetensors header (not JSON: {e}); re-download or re-export it") from e
+    except (ValueError, RecursionError) as e:  # also over-long integers and nesting too deep for the parser
+        raise EdgeqError(f"{path}: corrupt safetensors header (not JSON: {str(e)[:100]}); re-download or re-export it") from e
     if not isinstance(header, dict):
         raise EdgeqError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", None) or {}
@@ -114,7 +114,7 @@ def _entry(path: Path, name: str, entry: object, data_start: int, data_size: int
     if not isinstance(entry, dict):
         raise EdgeqError(f"{where}: corrupt header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise EdgeqError(f"{where}: unsupported dtype {dtype!r} (edgeq reads {', '.join(DTYPES)})")
     ok_shape = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ok_off = (
