@@ -384,6 +384,12 @@ def test_gptq_errors():
         gptq_quantize(w, h, 48)
     with pytest.raises(EdgeqError, match=r"the Hessian must be float \[64, 64\] for a weight \[16, 64\]"):
         gptq_quantize(w, h[:32, :32], 32)
+    # slightly indefinite (smallest eigenvalue -0.05 x mean diag): 1 % dampening fails, 10 % works and is reported
+    qm, _ = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    lam = torch.ones(64, dtype=torch.float64)
+    lam[-1] = -0.05
+    r = gptq_quantize(w, (qm * lam) @ qm.t(), 32)
+    assert r.damp == pytest.approx(0.1)
     # a singular (rank-deficient) Hessian is fine with the default dampening
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     r = gptq_quantize(w, 2 / 8 * x.t() @ x, 32)

@@ -19,7 +19,9 @@ Choices made here (docs/gptq.md has the reasoning):
   weights are kept (not zeroed as in the reference implementations) and quantised by plain rounding, since the
   calibration data says nothing about them and other inputs may use them;
 - lazy batch updates in blocks of ``block_size`` columns (rounded to a multiple of G so a group never straddles a
-  block: its parameters then see every earlier column's update);
+  block: its parameters then see every earlier column's update), two-level: the per-column rank-1 updates touch
+  only a sub-block of 32 columns (gcd(G, 32)), flushed to the rest of the block by one matmul; this keeps each
+  Python-level step small enough to run serially instead of paying a thread-pool round trip per column;
 - ``act_order``: columns are visited by descending ``H[k, k]`` (stable), and groups are G consecutive columns of that
   order, so the result is ``q`` over permuted columns plus ``perm``: the layer computes ``x[..., perm] @ W_hat^T``;
 - ``static_groups``: parameters come from the unmodified W's natural groups (k // G) before the sweep; with
@@ -31,6 +33,7 @@ the min/max round-to-nearest of W.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,7 @@ import torch
 from edgeq.errors import EdgeqError
 
 _MIN_SCALE = 2.0**-24  # a constant group's scale; bf16 represents it exactly
+_INNER = 32  # columns per inner sub-block: rank-1 updates stay small (serial, cache-resident); see gptq_quantize
 
 
 class HessianAccumulator:
@@ -121,7 +125,12 @@ def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor U of (H + d*mean(diag H)*I)^-1 (fp32) and the relative damping d that worked."""
+    """Upper Cholesky factor U of (H + d*mean(diag H)*I)^-1 (fp32) and the relative damping d that worked.
+
+    Without forming the inverse: with J the reversal matrix, J H J = L L^T gives H = R R^T with R = J L J upper
+    triangular, so H^-1 = (R^-1)^T R^-1 and U = R^-1 (positive diagonal, hence the Cholesky factor). One Cholesky
+    and one triangular inverse instead of a Cholesky, an inverse and a second Cholesky.
+    """
     mean = float(h.diagonal().mean())
     steps, d = [], damp
     while d < 1.0:
@@ -130,13 +139,13 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Te
     steps.append(1.0)
     for d in steps:
         for dtype in (torch.float32, torch.float64):
-            h2 = h.to(dtype)
+            h2 = h.to(dtype, copy=True)
             h2.diagonal().add_(d * mean)
-            low, info = torch.linalg.cholesky_ex(h2)
+            low, info = torch.linalg.cholesky_ex(h2.flip(0, 1))
             if int(info):
                 continue
-            u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(low), upper=True)
-            if int(info) or not bool(torch.isfinite(u).all()):
+            u = torch.linalg.solve_triangular(low.flip(0, 1), torch.eye(h.shape[0], dtype=dtype), upper=True)
+            if not bool(torch.isfinite(u).all()) or not bool((u.diagonal() > 0).all()):
                 continue
             return u.to(torch.float32), d
     raise EdgeqError(
@@ -232,27 +241,32 @@ def gptq_quantize(
     Q = torch.empty(n, k, dtype=torch.uint8)
     W_hat = torch.empty(n, k, dtype=torch.float32)
     bs = max(g, (block_size // g) * g)
+    inner = math.gcd(g, _INNER)
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
-        W1 = W[:, i1:i2]  # a view: in-block updates land in W directly
-        U1 = U[i1:i2, i1:i2]
         Err = torch.empty(n, i2 - i1, dtype=torch.float32)
-        for i in range(i2 - i1):
-            c = i1 + i
-            if static_col_group is not None:
-                j = int(static_col_group[c])
-                scale, zero = scales[j], zeros[j]
-            elif c % g == 0:
-                s1, z1 = minmax_qparams(W1[:, i : i + g])
-                scale, zero = s1[:, 0], z1[:, 0]
-                scales[c // g], zeros[c // g] = scale, zero
-            col = W1[:, i]
-            qc, wc = quantize_values(col, scale, zero)
-            Q[:, c] = qc.to(torch.uint8)
-            W_hat[:, c] = wc
-            e = (col - wc) / U1[i, i]
-            Err[:, i] = e
-            W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
+        for j1 in range(i1, i2, inner):
+            j2 = min(j1 + inner, i2)
+            W1 = W[:, j1:j2]  # a view: updates land in W directly
+            U1 = U[j1:j2, j1:j2]
+            for i in range(j2 - j1):
+                c = j1 + i
+                if static_col_group is not None:
+                    j = int(static_col_group[c])
+                    scale, zero = scales[j], zeros[j]
+                elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
+                    s1, z1 = minmax_qparams(W[:, c : c + g])
+                    scale, zero = s1[:, 0], z1[:, 0]
+                    scales[c // g], zeros[c // g] = scale, zero
+                col = W1[:, i]
+                qc, wc = quantize_values(col, scale, zero)
+                Q[:, c] = qc.to(torch.uint8)
+                W_hat[:, c] = wc
+                e = (col - wc) / U1[i, i]
+                Err[:, c - i1] = e
+                W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
+            if j2 < i2:
+                W[:, j2:i2].addmm_(Err[:, j1 - i1 : j2 - i1], U[j1:j2, j2:i2], alpha=-1.0)
         if i2 < k:
             W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
     del W
