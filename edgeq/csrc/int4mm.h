@@ -1,0 +1,61 @@
+// edgeq native W4A16 decode kernel: shared declarations (no torch headers here, on purpose).
+//
+// The ISA translation units (int4mm_avx512.cpp, int4mm_avx2.cpp) are compiled with `#pragma GCC target`, so they
+// must not include torch or any header with inline functions: an inline function compiled for AVX512 in one TU
+// and for the baseline in another is one symbol to the linker, which may keep the AVX512 copy and crash an AVX2
+// machine. They see only this plain C interface.
+//
+// Math. qweight holds q in 0..15, w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n], g = k / G. Per group
+//     y[m, n] += scale * (sum_k x[m, k] q[n, k] - 8 xs[m, g]) + zero * xs[m, g],   xs[m, g] = sum_{k in g} x[m, k]
+// so the inner loop only sums x * q, and the scale and zero are applied once per group and row.
+#pragma once
+#include <cstdint>
+
+namespace edgeq {
+
+// Block modes: how the s/2 bytes of one k inside a row block of s rows hold the s rows.
+// byte j, low nibble = nibble position 2j, high nibble = position 2j+1.
+enum BlockMode : int {
+  kHalves = 0,    // position 2j -> row j, 2j+1 -> row j + s/2   (full AVX512 / AVX2 blocks)
+  kAdjacent = 1,  // position p -> row p                          (tails, default-capability blocks)
+};
+
+struct Int4Args {
+  const uint16_t* x;   // bf16 bits [M, K], row-major
+  const float* xf;     // fp32 copy of x [M, K]
+  const float* xs;     // fp32 group sums [M, K/G]
+  const uint8_t* qw;   // packed [N, K/2]; block b of s rows = bytes [row0*K/2, (row0+s)*K/2), k-major
+  const uint16_t* sz;  // bf16 bits [K/G, N, 2]: (scale, zero)
+  uint16_t* y;         // bf16 bits [M, N]
+  int64_t M, N, K, G;
+};
+
+// Compute rows [row0, row0 + s) of y for all M. ys: fp32 scratch of at least M * 64 floats, acc: another M * 64.
+// The SIMD routines return false when they have no fast path for (s, mode); the caller then uses the scalar one.
+void block_scalar(const Int4Args& a, int64_t row0, int s, int mode, float* ys, float* acc);
+bool block_avx2(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
+bool block_avx512(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
+
+// fp32 -> bf16, round to nearest even, NaN kept quiet (same rule as c10::BFloat16).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// Write the fp32 scratch ys [M][s] (rows of the block in order) to y as bf16.
+inline void store_rows(const Int4Args& a, int64_t row0, int s, const float* ys) {
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int r = 0; r < s; ++r) a.y[m * a.N + row0 + r] = f32_to_bf16(ys[m * s + r]);
+}
+
+}  // namespace edgeq

@@ -1,0 +1,156 @@
+// AVX512 path (F/BW/VL/VBMI/BF16): full "halves" blocks of 32 or 64 rows.
+//
+// A block of S rows stores S/2 bytes per k; byte j holds row j (low nibble) and row j + S/2 (high nibble).
+// Two consecutive k are S contiguous bytes: A = bytes of k, B = bytes of k+1. One vpermb turns them into 16 dwords
+// (A_j, 0, B_j, 0) for 16 consecutive j; shifting by 3 (low nibble) or right by 1 (high nibble), masking with
+// 0x0078 and or-ing 0x3F80 gives, per dword, two bf16 words with value 1 + q/16 (exact) for rows j at k and k+1.
+// vdpbf16ps multiplies them with the bf16 pair (x[k], x[k+1]) and adds both products into an fp32 lane: the
+// activations stay bf16, the products are exact, the sums fp32. Per group, with D = sum x (1 + q/16):
+//     sum_k x w = scale * (16 (D - xs) - 8 xs) + zero * xs = 16 scale D + (zero - 24 scale) xs.
+// Loops: group g (G k's) -> tile of activation rows (1..4 rows: all row vectors at once; 5..8: one 16-j vector at a
+// time) -> k pairs.
+// Re-reads of a group's bytes for the second v or tile come from L1 (G*S/2 bytes <= 8 KB); DRAM is read once.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "int4mm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,fma")
+
+namespace edgeq {
+namespace {
+
+inline __m512i pair_index(int bytes_per_k, int v) {
+  alignas(64) uint8_t idx[64] = {0};
+  for (int l = 0; l < 16; ++l) {
+    idx[4 * l] = static_cast<uint8_t>(16 * v + l);
+    idx[4 * l + 2] = static_cast<uint8_t>(bytes_per_k + 16 * v + l);
+  }
+  return _mm512_load_si512(idx);
+}
+
+template <int S>
+inline __m512i load_pair(const uint8_t* p) {
+  if constexpr (S == 64) return _mm512_loadu_si512(p);
+  else return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[m][v][h] = sum over the group's k of x[m, k] * (1 + q/16) for rows 16(v0+v) + l (h = 0) and
+// S/2 + 16(v0+v) + l (h = 1), l = 0..15. NV row vectors per pass; U independent partial sums per accumulator
+// (k pairs alternate between them) so that small tiles are not bound by the latency of vdpbf16ps.
+template <int S, int MT, int NV, int U>
+inline void group_dot(const uint8_t* wg, const uint16_t* x, int64_t ldx, int64_t G, const __m512i* idx,
+                      __m512 acc[MT][NV][2]) {
+  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  __m512 part[U][MT][NV][2];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < NV; ++v) part[u][m][v][0] = part[u][m][v][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < G; kk += 2 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512i r = load_pair<S>(wg + (kk + 2 * u) * (S / 2));
+      for (int v = 0; v < NV; ++v) {
+        const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA);  // (a & b) | c
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA);
+        for (int m = 0; m < MT; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x + m * ldx + kk + 2 * u, 4);
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+          part[u][m][v][0] = _mm512_dpbf16_ps(part[u][m][v][0], (__m512bh)lo, xb);
+          part[u][m][v][1] = _mm512_dpbf16_ps(part[u][m][v][1], (__m512bh)hi, xb);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h) {
+        __m512 t = part[0][m][v][h];
+        for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, part[u][m][v][h]);
+        acc[m][v][h] = t;
+      }
+}
+
+// One group, row vectors v0 .. v0+NV-1, activation rows m0 .. m0+MT-1: dot products, then scale and zero.
+template <int S, int MT, int NV, int U>
+void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const __m512i* idx, float* ys) {
+  const int64_t K = a.K, G = a.G, ng = K / G;
+  __m512 acc[MT][NV][2];
+  group_dot<S, MT, NV, U>(a.qw + row0 * (K / 2) + g * G * (S / 2), a.x + m0 * K + g * G, K, G, idx + v0, acc);
+  const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+  for (int v = 0; v < NV; ++v)
+    for (int h = 0; h < 2; ++h) {
+      const int r = h * (S / 2) + 16 * (v0 + v);
+      const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+      const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const __m512 c_dot = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+      const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+      for (int m = 0; m < MT; ++m) {
+        float* yp = ys + (m0 + m) * S + r;
+        __m512 y = _mm512_loadu_ps(yp);
+        y = _mm512_fmadd_ps(c_dot, acc[m][v][h], y);
+        y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
+        _mm512_storeu_ps(yp, y);
+      }
+    }
+}
+
+// Tiling: about 8+ independent accumulator chains and at most 16 accumulator registers.
+template <int S>
+void group_rows(const Int4Args& a, int64_t row0, int64_t g, const __m512i* idx, float* ys) {
+  constexpr int NV = S / 32;
+  for (int64_t m0 = 0; m0 < a.M;) {
+    const int64_t rest = a.M - m0;
+    if (rest >= 5) {  // 5..8 rows: one row vector per pass
+      const int mt = rest >= 8 ? 8 : static_cast<int>(rest);
+      for (int v = 0; v < NV; ++v) {
+        switch (mt) {
+          case 5: tile<S, 5, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+          case 6: tile<S, 6, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+          case 7: tile<S, 7, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+          default: tile<S, 8, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+        }
+      }
+      m0 += mt;
+      continue;
+    }
+    switch (rest) {
+      case 1: tile<S, 1, NV, 8 / (2 * NV)>(a, row0, g, 0, m0, idx, ys); break;
+      case 2: tile<S, 2, NV, (NV == 1 ? 2 : 1)>(a, row0, g, 0, m0, idx, ys); break;
+      case 3: tile<S, 3, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
+      default: tile<S, 4, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
+    }
+    m0 += rest;
+  }
+}
+
+template <int S>
+void block_halves(const Int4Args& a, int64_t row0, float* ys) {
+  const int64_t M = a.M, ng = a.K / a.G;
+  __m512i idx[S / 32];
+  for (int v = 0; v < S / 32; ++v) idx[v] = pair_index(S / 2, v);
+  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+  for (int64_t g = 0; g < ng; ++g) group_rows<S>(a, row0, g, idx, ys);
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < S; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+}
+
+}  // namespace
+
+bool block_avx512(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
+  if (mode != kHalves) return false;
+  if (s == 64) return block_halves<64>(a, row0, ys), true;
+  if (s == 32) return block_halves<32>(a, row0, ys), true;
+  return false;
+}
+
+}  // namespace edgeq
+
+#pragma GCC pop_options

@@ -1,0 +1,105 @@
+// Torch binding of the edgeq native W4A16 kernel: argument checks, CPU feature query, threading over row blocks.
+//
+//   torch.ops.edgeq.int4_mm(x bf16 [M, K], qweight uint8 [N, K/2], group_size, scales_and_zeros bf16 [K/G, N, 2],
+//                           block_n, full_mode, tail_mode, isa) -> bf16 [M, N]
+//
+// isa: 0 scalar, 1 avx2, 2 avx512 (the Python side chooses it from cpu_features() and EDGEQ_NATIVE_ISA).
+// Rows are cut into blocks of block_n rows (mode full_mode) and one tail block of N % block_n rows (tail_mode);
+// threads take contiguous runs of blocks, so each thread streams one contiguous range of qweight, once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "int4mm.h"
+
+namespace {
+
+using edgeq::Int4Args;
+
+int64_t cpu_features() {
+  // bit 0: avx2+fma, bit 1: the AVX512 path's set (F, BW, VL, VBMI, BF16). __builtin_cpu_supports also checks
+  // that the OS saves the wide registers.
+  __builtin_cpu_init();
+  int64_t f = 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16"))
+    f |= 2;
+  return f;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
+                   const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_mode,
+                   int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "x: expected bf16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "qweight: expected contiguous uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * 2 == K, "qweight: [", N, ", ", qweight.size(1), "] holds K=", qweight.size(1) * 2,
+              " but x has K=", K);
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
+              "group_size must be one of 32, 64, 128, 256, got ", group_size);
+  TORCH_CHECK(K % group_size == 0, "K=", K, " is not a multiple of group_size=", group_size);
+  TORCH_CHECK(N % 16 == 0, "qweight: N=", N, " is not a multiple of 16");
+  TORCH_CHECK(block_n == 32 || block_n == 64, "block_n=", block_n, " is not implemented (32 or 64)");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
+                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == K / group_size &&
+                  scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
+              "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
+              scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
+  TORCH_CHECK((full_mode == 0 || full_mode == 1) && (tail_mode == 0 || tail_mode == 1), "block modes must be 0 or 1");
+  TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (scalar), 1 (avx2) or 2 (avx512)");
+  TORCH_CHECK(isa == 0 || (cpu_features() & (isa == 1 ? 1 : 2)), "this CPU lacks the instructions of isa ", isa);
+
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // fp32 copy of x and its group sums, once per call (M*K values: small next to N*K/2 weight bytes).
+  const int64_t ng = K / group_size;
+  std::vector<float> xf(M * K), xs(M * ng);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        xf[m * K + k] = edgeq::bf16_to_f32(xb[m * K + k]);
+        sum += xf[m * K + k];
+      }
+      xs[m * ng + g] = sum;
+    }
+
+  Int4Args a{xb,
+             xf.data(),
+             xs.data(),
+             qweight.data_ptr<uint8_t>(),
+             reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+             M, N, K, group_size};
+  const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scratch(2 * M * 64);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t row0 = b * block_n;
+      const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
+      const int mode = static_cast<int>(b < full ? full_mode : tail_mode);
+      bool done = false;
+      if (isa == 2) done = edgeq::block_avx512(a, row0, s, mode, scratch.data());
+      if (isa == 1) done = edgeq::block_avx2(a, row0, s, mode, scratch.data());
+      if (!done) edgeq::block_scalar(a, row0, s, mode, scratch.data(), scratch.data() + M * 64);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(edgeq, m) {
+  m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, int block_n, int full_mode, "
+        "int tail_mode, int isa) -> Tensor");
+  m.def("cpu_features() -> int", &cpu_features);
+}
+
+TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("int4_mm", int4_mm); }

@@ -1,0 +1,298 @@
+"""The native CPU W4A16 decode kernel: build at first use, load, choose the ISA path, call.
+
+``int4_mm(x, qweight, group_size, scales_and_zeros)`` computes the same thing as
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` -- ``y[M, N] = x[M, K] @ dequant(W).T``, x and y bf16,
+``w[n, k] = (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]`` -- reading ``qweight`` (uint8 [N, K/2]) and
+``scales_and_zeros`` (bf16 [K/G, N, 2]) as they are stored: no repacking, no second copy, each weight byte read once
+from memory. It is built for decode (M <= 8) and accepts any M. Design, numbers and how to rerun: docs/kernel.md.
+
+Layouts. The stored bytes follow a :class:`~edgeq.layouts.tinygemm.TinygemmLayout`: blocks of ``block_n`` rows, k-major,
+``s/2`` bytes per k for a block of s rows. The kernel implements ``block_n`` in (32, 64) and, per block size, two nibble
+orders: *halves* (``perm = [0, s/2, 1, s/2+1, ...]``, full AVX512/AVX2 blocks) and *adjacent* (``perm = [0, 1, ...]``,
+tails and the default path). :func:`supports` compares a layout's measured permutations with these two; any other layout
+is refused and the runtime uses the aten op. Worked example (block_n = 64, halves): byte ``32*k + j`` of block 0 holds
+``q[j, k]`` in its low nibble and ``q[j + 32, k]`` in its high nibble.
+
+ISA paths, chosen once per process from the CPU flags (``EDGEQ_NATIVE_ISA`` overrides):
+
+- ``avx512``: AVX512 F/BW/VL/VBMI/BF16 (Sapphire Rapids, Zen 4). Weights become bf16 ``1 + q/16`` (exact) and are
+  multiplied with the bf16 activations by ``vdpbf16ps`` into fp32 accumulators: exact products, fp32 sums. The
+  activations are never quantised.
+- ``avx2``: AVX2 + FMA: q converted to fp32, fp32 FMA with the fp32 activations.
+- ``scalar``: portable C++, any supported block; also the path for blocks the SIMD paths do not specialise (tails,
+  adjacent full blocks).
+
+``EDGEQ_NATIVE_ISA=avx512|avx2|scalar`` forces a path (an :class:`EdgeqError` if the CPU lacks it), ``off`` disables the
+native kernel, unset or ``auto`` picks the best. ``EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``) holds the build, keyed
+by a hash of the sources, compile flags and the torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+
+ENV_ISA = "EDGEQ_NATIVE_ISA"
+ENV_CACHE = "EDGEQ_CACHE_DIR"
+ISAS = ("scalar", "avx2", "avx512")  # in order of preference, worst first
+_ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
+_FEATURE_BIT = {"avx2": 1, "avx512": 2}
+HALVES, ADJACENT = 0, 1  # block modes, as in edgeq/csrc/int4mm.h
+BLOCK_NS = (32, 64)
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp")
+_HEADERS = ("int4mm.h",)
+# -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+_LDFLAGS = ["-fopenmp"]
+
+
+@dataclass
+class _State:
+    available: bool = False
+    isa: str | None = None
+    reason: str = "not loaded yet"
+    user_error: bool = False  # the reason is a bad EDGEQ_NATIVE_ISA: calls raise instead of falling back quietly
+    build_seconds: float | None = None
+    built_now: bool = False
+    library: str | None = None
+    cpu_isas: tuple[str, ...] = ()
+    forced: str | None = None
+    plans: dict = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+_calls = 0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "edgeq")
+
+
+def build_key() -> str:
+    """sha256 over the kernel sources, flags, torch version and Python ABI: a new key means a new build."""
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes() + b"\0")
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    h.update(f"{torch.__version__}|{sys.implementation.cache_tag}|{platform.machine()}".encode())
+    return h.hexdigest()
+
+
+def _compile(key: str) -> tuple[str, bool]:
+    """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
+    from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
+
+    name = f"edgeq_native_{key[:16]}"
+    build_dir = cache_dir() / "native" / key[:16]
+    lib = build_dir / f"{name}.so"
+    done = build_dir / "ok"
+    if done.exists() and lib.exists():
+        torch.ops.load_library(str(lib))
+        return str(lib), False
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    done.write_text(f"{torch.__version__}\n")
+    return str(lib), True
+
+
+def _short(err: BaseException, lines: int = 12) -> str:
+    """The compiler's first error lines, not 200 lines of ninja output."""
+    text = str(err).strip().splitlines()
+    errors = [ln for ln in text if "error" in ln.lower()]
+    return " | ".join((errors or text)[:lines])[:2000] or type(err).__name__
+
+
+def _features_to_isas(bits: int) -> tuple[str, ...]:
+    return ("scalar",) + tuple(isa for isa, bit in _FEATURE_BIT.items() if bits & bit)
+
+
+def _load() -> _State:
+    global _state
+    with _lock:
+        if _state is not None:
+            return _state
+        st = _State()
+        forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
+        st.forced = None if forced == "auto" else forced
+        if forced not in ISAS + ("auto", "off"):
+            st.reason = f"{ENV_ISA}={forced!r} is not one of avx512, avx2, scalar, off, auto; fix or unset it"
+            st.user_error = True
+        elif forced == "off":
+            st.reason = f"disabled by {ENV_ISA}=off"
+        else:
+            t0 = time.perf_counter()
+            try:
+                st.library, st.built_now = _compile(build_key())
+                st.cpu_isas = _features_to_isas(int(torch.ops.edgeq.cpu_features()))
+            except Exception as e:  # noqa: BLE001 - any build/load failure means: use aten, and say why
+                st.reason = f"native kernel build/load failed: {_short(e)}"
+            else:
+                st.build_seconds = round(time.perf_counter() - t0, 3)
+                if forced == "auto":
+                    st.isa = st.cpu_isas[-1]
+                elif forced in st.cpu_isas:
+                    st.isa = forced
+                else:
+                    st.reason = (
+                        f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(st.cpu_isas)}; avx512 needs "
+                        f"AVX512 F/BW/VL/VBMI/BF16, avx2 needs AVX2+FMA); unset it or choose one of those"
+                    )
+                    st.user_error = True
+                if st.isa:
+                    st.available = True
+                    st.reason = "ok" if forced == "auto" else f"forced by {ENV_ISA}={forced}"
+        _state = st
+        return st
+
+
+def _raise_if_user_error(st: _State) -> None:
+    if st.user_error:
+        raise EdgeqError(st.reason)
+
+
+def available() -> bool:
+    """True when the kernel is built and usable here. A bad ``EDGEQ_NATIVE_ISA`` raises (a user error, not a fallback)."""
+    st = _load()
+    _raise_if_user_error(st)
+    return st.available
+
+
+def status() -> dict:
+    """What runs and why: {available, isa, reason, build_seconds, built_now, library, cpu_isas, forced, calls}."""
+    st = _load()
+    return {
+        "available": st.available,
+        "isa": st.isa,
+        "reason": st.reason,
+        "build_seconds": st.build_seconds,
+        "built_now": st.built_now,
+        "library": st.library,
+        "cpu_isas": list(st.cpu_isas),
+        "forced": st.forced,
+        "calls": _calls,
+    }
+
+
+def call_count() -> int:
+    """Number of successful :func:`int4_mm` calls in this process (the runtime and benchmarks read it)."""
+    return _calls
+
+
+def reset_call_count() -> None:
+    global _calls
+    _calls = 0
+
+
+def _halves(s: int) -> tuple[int, ...]:
+    return tuple(p // 2 + (p % 2) * (s // 2) for p in range(s))
+
+
+def _adjacent(s: int) -> tuple[int, ...]:
+    return tuple(range(s))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the kernel reads one layout: block_n and the block mode of every block size (full and tails)."""
+
+    block_n: int
+    modes: dict  # rows in block -> HALVES | ADJACENT
+
+
+def plan(layout: tinygemm.TinygemmLayout) -> Plan | None:
+    """The kernel's reading of ``layout``, or None when the layout is not one the kernel implements.
+
+    Implemented: op = the CPU pack op, block_n in (32, 64), and for the full block and every tail size 16, 32, ...,
+    block_n - 16 a measured permutation equal to *halves* or *adjacent* (compared element by element).
+    """
+    if layout.op != tinygemm.PACK_OP or layout.block_n not in BLOCK_NS:
+        return None
+    measured = dict(layout.perms)
+    modes = {}
+    for s in range(tinygemm.ROW_MULTIPLE, layout.block_n + 1, tinygemm.ROW_MULTIPLE):
+        perm = tuple(measured.get(s, ()))
+        if perm == _halves(s):
+            modes[s] = HALVES
+        elif perm == _adjacent(s):
+            modes[s] = ADJACENT
+        else:
+            return None
+    return Plan(block_n=layout.block_n, modes=modes)
+
+
+def supports(layout: tinygemm.TinygemmLayout) -> bool:
+    """True when the kernel reads ``layout``'s bytes (see :func:`plan`); False means: use the aten op."""
+    return plan(layout) is not None
+
+
+def _plan_for(st: _State, layout: tinygemm.TinygemmLayout | None) -> Plan:
+    layout = tinygemm.probe() if layout is None else layout
+    entry = st.plans.get(id(layout))
+    if entry is None or entry[0] is not layout:
+        p = plan(layout)
+        if p is None:
+            raise EdgeqError(
+                f"native int4_mm: layout {layout.layout_hash[:12]} (block_n={layout.block_n}) is not one the native "
+                f"kernel implements (block_n 32/64, halves or adjacent nibble order); use the aten op"
+            )
+        entry = st.plans[id(layout)] = (layout, p)  # keeps the layout alive so its id stays unique
+    return entry[1]
+
+
+def int4_mm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    group_size: int,
+    scales_and_zeros: torch.Tensor,
+    *,
+    layout: tinygemm.TinygemmLayout | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """bf16 [M, K] @ dequant(qweight).T -> bf16 [M, N]; the signature of ``aten._weight_int4pack_mm_for_cpu``.
+
+    ``layout`` says how ``qweight`` is packed (default: this machine's :func:`~edgeq.layouts.tinygemm.probe`, which is
+    what ``edgeq quantize`` wrote here); ``isa`` overrides the process's ISA choice for one call (tests, benchmarks).
+    Raises :class:`EdgeqError` when the kernel is unavailable, the layout unsupported, or the shapes/dtypes wrong.
+    """
+    global _calls
+    st = _state or _load()
+    if not st.available:
+        raise EdgeqError(f"native int4_mm is not available: {st.reason}")
+    p = _plan_for(st, layout)
+    if isa is None:
+        code = _ISA_CODE[st.isa]
+    elif isa in st.cpu_isas:
+        code = _ISA_CODE[isa]
+    else:
+        raise EdgeqError(f"native int4_mm: isa {isa!r} is not one this CPU runs ({', '.join(st.cpu_isas)})")
+    n = qweight.shape[0] if qweight.dim() >= 1 else 0
+    full = p.modes[p.block_n]
+    tail = p.modes.get(n % p.block_n, HALVES)
+    try:
+        y = torch.ops.edgeq.int4_mm(x, qweight, group_size, scales_and_zeros, p.block_n, full, tail, code)
+    except RuntimeError as e:
+        raise EdgeqError(f"native int4_mm: {str(e).splitlines()[0]}") from e
+    _calls += 1
+    return y

@@ -1,0 +1,269 @@
+"""The native W4A16 kernel (edgeq/runtime/native.py, edgeq/csrc/): numerics against the aten op and the fp64
+reference, every ISA path, the layouts it reads and refuses, errors by message.
+
+Tolerance (stated once, used everywhere): with ref = x @ dequant(W).T in fp64 and A = |x| @ |dequant(W)|.T,
+    |y - ref| <= 2**-8 * |ref| + 2**-14 * A
+(2**-8: at most half a bf16 ulp of rounding the output, with margin; 2**-14 * A: fp32 accumulation over K). The aten op
+must satisfy the same bound, so the bound is no looser than what aten itself needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.runtime import native
+
+# (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
+CASES = [
+    (1, 64, 256, 32),
+    (1, 1536 + 48, 1536, 128),
+    (2, 80, 768, 64),
+    (3, 160, 256, 256),
+    (4, 240, 2048, 128),
+    (5, 256, 768, 32),
+    (6, 64 + 16, 1536, 256),
+    (7, 128 + 32, 512, 64),
+    (8, 192 + 48, 1536, 128),
+    (33, 256 + 16, 768, 128),
+]
+
+
+def _halves(s):
+    return tuple(p // 2 + (p % 2) * (s // 2) for p in range(s))
+
+
+def _layout(block_n: int, full: tuple, tails: str = "adjacent") -> tinygemm.TinygemmLayout:
+    perms = {block_n: full}
+    for s in range(16, block_n, 16):
+        perms[s] = {"adjacent": tuple(range(s)), "halves": _halves(s), "reversed": tuple(reversed(range(s)))}[tails]
+    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple(sorted(perms.items())))
+
+
+AVX2_MACHINE = _layout(32, _halves(32))  # what torch packs on an AVX2-dispatch machine
+DEFAULT_MACHINE = _layout(32, tuple(range(32)))  # the default dispatch: adjacent rows everywhere
+HALVES_TAILS = _layout(64, _halves(64), tails="halves")  # not seen from torch, but the kernel reads it
+
+
+def _problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.TinygemmLayout):
+    """Weights quantised from a random matrix by per-group min/max (realistic scales/zeros), packed in ``layout``."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = (hi - lo).clamp(min=1e-6) / 15
+    q = ((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    wd = tinygemm.dequantize(q, sz, g, dtype=torch.float64)
+    ref = x.double() @ wd.t()
+    bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+    return x, tinygemm.pack(q, layout), sz, ref, bound
+
+
+def _excess(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
+    """max(|y - ref| / bound): <= 1 means within the stated tolerance."""
+    return float(((y.double() - ref).abs() / bound).max())
+
+
+@pytest.fixture(scope="session")
+def ready():
+    """Build (or load from the cache) once per session; a build failure fails the tests with the compiler's reason."""
+    st = native.status()
+    if not st["available"]:
+        pytest.fail(f"native kernel unavailable: {st['reason']}")
+    return st
+
+
+@pytest.fixture(scope="session")
+def here():
+    return tinygemm.probe()
+
+
+def test_supports_this_machines_layout(ready, here):
+    assert native.supports(here)
+    assert native.supports(AVX2_MACHINE) and native.supports(DEFAULT_MACHINE) and native.supports(HALVES_TAILS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-N{}-K{}-G{}".format(*c))
+def test_matches_aten_and_reference(ready, here, case):
+    m, n, k, g = case
+    x, qw, sz, ref, bound = _problem(m, n, k, g, seed=n + k + g + m, layout=here)
+    aten = tinygemm.mm(x, qw, g, sz)
+    assert _excess(aten, ref, bound) <= 1.0  # the tolerance is one aten meets
+    for isa in ready["cpu_isas"]:
+        y = native.int4_mm(x, qw, g, sz, isa=isa)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert _excess(y, ref, bound) <= 1.0, isa
+        # Same rounding as aten almost everywhere: a systematic slip (a wrong zero, an off-by-one nibble) moves many.
+        assert float((y != aten).double().mean()) <= 0.05, isa
+
+
+@pytest.mark.parametrize(
+    "layout", [AVX2_MACHINE, DEFAULT_MACHINE, HALVES_TAILS], ids=["avx2-block32-halves", "default-adjacent", "halves-tails"]
+)
+def test_reads_other_machines_layouts(ready, layout):
+    for m, n, k, g in [(1, 96 + 16, 512, 64), (4, 64, 256, 32), (8, 32 + 16, 768, 128)]:
+        x, qw, sz, ref, bound = _problem(m, n, k, g, seed=7, layout=layout)
+        for isa in ready["cpu_isas"]:
+            assert _excess(native.int4_mm(x, qw, g, sz, layout=layout, isa=isa), ref, bound) <= 1.0, isa
+
+
+def test_isa_paths_agree_closely(ready, here):
+    """SIMD paths vs the portable one on a decode shape: same math, different summation order."""
+    x, qw, sz, ref, bound = _problem(1, 1536, 1536, 128, seed=3, layout=here)
+    ys = {isa: native.int4_mm(x, qw, 128, sz, isa=isa) for isa in ready["cpu_isas"]}
+    for isa, y in ys.items():
+        assert float((y != ys["scalar"]).double().mean()) <= 0.02, isa
+
+
+def test_threads_do_not_change_bits(ready, here):
+    x, qw, sz, _, _ = _problem(3, 64 * 5 + 32, 768, 128, seed=11, layout=here)
+    n_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int4_mm(x, qw, 128, sz)
+        torch.set_num_threads(2)
+        two = native.int4_mm(x, qw, 128, sz)
+    finally:
+        torch.set_num_threads(n_threads)
+    assert torch.equal(one, two)
+
+
+def test_refuses_other_permutations(ready):
+    swapped = tuple(p // 2 + (1 - p % 2) * 32 for p in range(64))  # (j + 32, j): halves with the nibbles exchanged
+    bad = [
+        _layout(64, swapped),
+        _layout(64, _halves(64), tails="reversed"),  # tails in an order the kernel does not read
+        _layout(64, tuple(reversed(range(64)))),
+        tinygemm.TinygemmLayout(block_n=128, perms=((128, _halves(128)),)),
+        tinygemm.TinygemmLayout(block_n=64, perms=((64, _halves(64)),)),  # tails not measured
+    ]
+    for layout in bad:
+        assert not native.supports(layout)
+    x, qw, sz, _, _ = _problem(1, 64, 256, 32, seed=1, layout=bad[0])
+    with pytest.raises(EdgeqError, match="not one the native kernel implements"):
+        native.int4_mm(x, qw, 32, sz, layout=bad[0])
+
+
+def test_bad_inputs_raise_edgeq_error(ready, here):
+    x, qw, sz, _, _ = _problem(2, 64, 256, 64, seed=2, layout=here)
+    with pytest.raises(EdgeqError, match="x: expected bf16"):
+        native.int4_mm(x.float(), qw, 64, sz)
+    with pytest.raises(EdgeqError, match="x: expected bf16"):
+        native.int4_mm(x.unsqueeze(0), qw, 64, sz)
+    with pytest.raises(EdgeqError, match="holds K=256 but x has K=128"):
+        native.int4_mm(x[:, :128], qw, 64, sz)
+    with pytest.raises(EdgeqError, match="group_size must be one of"):
+        native.int4_mm(x, qw, 48, sz)
+    with pytest.raises(EdgeqError, match=r"scales_and_zeros: expected contiguous bf16 \[4, 64, 2\]"):
+        native.int4_mm(x, qw, 64, sz[:2])
+    with pytest.raises(EdgeqError, match="scales_and_zeros: expected"):
+        native.int4_mm(x, qw, 64, sz.float())
+    with pytest.raises(EdgeqError, match="N=72 is not a multiple of 16"):
+        native.int4_mm(x, torch.zeros(72, 128, dtype=torch.uint8), 64, torch.zeros(4, 72, 2, dtype=torch.bfloat16))
+    with pytest.raises(EdgeqError, match="qweight: expected contiguous uint8"):
+        native.int4_mm(x, qw.t().contiguous().t(), 64, sz)
+    with pytest.raises(EdgeqError, match="isa 'sse9'"):
+        native.int4_mm(x, qw, 64, sz, isa="sse9")
+    assert native.int4_mm(x[:0], qw, 64, sz).shape == (0, 64)
+
+
+def test_call_counter(ready, here):
+    x, qw, sz, _, _ = _problem(1, 64, 256, 32, seed=4, layout=here)
+    native.reset_call_count()
+    native.int4_mm(x, qw, 32, sz)
+    native.int4_mm(x, qw, 32, sz)
+    with pytest.raises(EdgeqError):
+        native.int4_mm(x, qw, 64, sz)
+    assert native.call_count() == 2 and native.status()["calls"] == 2
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_native import _problem, _excess, _layout, _halves
+    from edgeq.runtime import native
+    out = {{"available": native.available(), "status": native.status(), "excess": 0.0}}
+    layout = _layout(64, _halves(64))
+    for m, n, k, g in [(1, 64 + 48, 768, 128), (6, 128, 512, 32)]:
+        x, qw, sz, ref, bound = _problem(m, n, k, g, seed=5, layout=layout)
+        out["excess"] = max(out["excess"], _excess(native.int4_mm(x, qw, g, sz, layout=layout), ref, bound))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_env_var_forces_each_isa(ready):
+    """A fresh process per ISA the CPU has (run in parallel: each imports torch), forced by EDGEQ_NATIVE_ISA."""
+    procs = {}
+    for isa in ready["cpu_isas"]:
+        env = {**os.environ, native.ENV_ISA: isa}
+        code = _CHILD.format(tests=os.path.dirname(__file__))
+        procs[isa] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for isa, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
+        assert p.returncode == 0 and line, f"{isa}: rc={p.returncode}\n{err[-2000:]}"
+        r = json.loads(line[0][len("RESULT") :])
+        assert r["available"] and r["status"]["isa"] == isa and r["status"]["forced"] == isa, r
+        assert r["excess"] <= 1.0, (isa, r["excess"])
+
+
+@pytest.fixture
+def fresh_state(ready, monkeypatch):
+    """Let native re-read EDGEQ_NATIVE_ISA in this process; restore the loaded state afterwards."""
+    saved = native._state
+    monkeypatch.setattr(native, "_state", None)
+    yield monkeypatch
+    native._state = saved
+
+
+def _tiny_call():
+    return native.int4_mm(
+        torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.uint8), 32, torch.zeros(2, 16, 2, dtype=torch.bfloat16)
+    )
+
+
+def test_env_var_off(fresh_state):
+    fresh_state.setenv(native.ENV_ISA, "off")
+    assert native.available() is False
+    assert "EDGEQ_NATIVE_ISA=off" in native.status()["reason"]
+    with pytest.raises(EdgeqError, match="not available: disabled by EDGEQ_NATIVE_ISA=off"):
+        _tiny_call()
+
+
+def test_env_var_bad_value(fresh_state):
+    fresh_state.setenv(native.ENV_ISA, "avx9000")
+    with pytest.raises(EdgeqError, match="'avx9000' is not one of avx512, avx2, scalar, off, auto"):
+        native.available()
+    assert native.status()["available"] is False
+
+
+def test_env_var_isa_the_cpu_lacks(fresh_state):
+    fresh_state.setattr(native, "_features_to_isas", lambda bits: ("scalar",))  # a CPU without AVX2/AVX512
+    fresh_state.setenv(native.ENV_ISA, "avx512")
+    with pytest.raises(EdgeqError, match="EDGEQ_NATIVE_ISA=avx512 but this CPU lacks it"):
+        native.available()
+    with pytest.raises(EdgeqError, match="lacks it"):
+        _tiny_call()
+
+
+def test_auto_picks_the_best_isa(fresh_state):
+    fresh_state.delenv(native.ENV_ISA, raising=False)
+    assert native.available() and native.status()["isa"] == native.status()["cpu_isas"][-1]
+
+
+def test_status_reports_build(ready):
+    st = native.status()
+    assert st["available"] and st["isa"] in native.ISAS and st["build_seconds"] is not None
+    assert os.path.exists(st["library"]) and st["library"].startswith(str(native.cache_dir()))
