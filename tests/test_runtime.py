@@ -249,20 +249,30 @@ def test_crossover_is_measured_then_cached(ckpts, tmp_path, monkeypatch):
     assert second.settings.prefill_crossover == first.settings.prefill_crossover
 
 
-# Greedy ids of "Once upon a time" on the bundled fixture, w4a16-g128 minmax, this machine class.
-GOLDEN = None
+# Greedy ids of "Once upon a time" (24 tokens) on the bundled fixture, w4a16-g128 minmax, AVX512 machines. The two
+# decode kernels round differently and part at step 12, where two tokens are within 1e-6 in logprob.
+GOLDEN = {
+    "native_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 373, 290, 260, 462, 373, 200, 872,
+                      417, 1049, 260, 462, 15],
+    "tinygemm_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 402, 15, 222, 438, 200, 744, 290,
+                        260, 462, 373, 290, 260],
+}
 
 
 def test_greedy_generation_is_deterministic(prose):
     lm = load(prose, prefill_threshold=4)
-    a = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
-    b = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
-    assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == "length"
-    if GOLDEN is not None:
-        assert a.token_ids == GOLDEN
-    assert a.text == lm.tokenizer.decode(a.token_ids, skip_special_tokens=True)
-    assert a.prefill_tokens_per_s > 0 and a.decode_tokens_per_s > 0
-    assert lm.path_counts["dequant_prefill"] > 0 and lm.path_counts[lm.runtime.decode_path] > 0
+    paths = ["native_decode", "tinygemm_decode"] if lm.runtime.native is not None else ["tinygemm_decode"]
+    for path in paths:
+        lm.runtime.native = lm.runtime.native if path == "native_decode" else None
+        lm.reset_counts()
+        a = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
+        b = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
+        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == "length"
+        if tinygemm.probe().cpu_capability == "AVX512":
+            assert a.token_ids == GOLDEN[path]
+        assert a.text == lm.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+        assert a.prefill_tokens_per_s > 0 and a.decode_tokens_per_s > 0
+        assert lm.path_counts["dequant_prefill"] > 0 and lm.path_counts[path] > 0
 
 
 def test_sampling_stop_strings_streaming_and_logprobs(prose):

@@ -156,6 +156,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         copied_bytes=copied,
         dtype=str(dtype).removeprefix("torch."),
     )
+    _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config, manifest=manifest,
                        cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files)
 
@@ -238,6 +239,17 @@ def _count_bf16_linears(model: nn.Module, counts: Counter) -> None:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.register_forward_pre_hook(hook)
+
+
+def _generation_config(model: nn.Module, path: Path) -> None:
+    """The checkpoint's generation_config.json (EOS ids) replaces the one transformers derived from config.json."""
+    if (path / "generation_config.json").exists():
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise EdgeqError(f"{path}/generation_config.json: unreadable ({e})") from e
 
 
 def _tokenizer(path: Path):
