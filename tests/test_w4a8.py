@@ -168,6 +168,10 @@ def test_pack_unpack_round_trip(g):
     assert torch.equal(L.unpack_params(p.scales), qw.scales)
     assert torch.equal(L.unpack_params(p.zeros), qw.zeros)
     assert torch.equal(L.unpack_compensation(p.qweight, g), L.compensation(qw.q, qw.zeros, g))
+    # a buffer at an odd byte offset (as inside a memory-mapped file) unpacks the same
+    buf = torch.empty(p.qweight.numel() + 1, dtype=torch.uint8)
+    buf[1:] = p.qweight.reshape(-1)
+    assert torch.equal(L.unpack(buf[1:].view(p.qweight.shape), g, blocks=(1, 2)), qw.q[32:64])
     # row blocks pack independently: the bytes of rows 32a..32b are rows a..b of the whole packing
     part = L.pack(qw.q[32:64], qw.scales[:, 32:64], qw.zeros[:, 32:64], g)
     assert torch.equal(part.qweight, p.qweight[1:2]) and torch.equal(part.scales, p.scales[1:2])
@@ -242,10 +246,12 @@ def test_addcmul_probe_agrees_with_emulation():
 
 
 def _variants():
+    """Backends x FMA methods x product strategies (block-diagonal products for M * K/bk <= blockdiag_rows, else
+    per K block)."""
     yield {"backend": "int_mm", "fma": "exact"}
-    yield {"backend": "fp32", "fma": "exact"}
+    yield {"backend": "fp32", "fma": "exact", "blockdiag_rows": 0}
     if L.addcmul_is_fma():
-        yield {"backend": "int_mm", "fma": "addcmul"}
+        yield {"backend": "int_mm", "fma": "addcmul", "blockdiag_rows": 0}
         yield {"backend": "fp32", "fma": "addcmul", "scratch_bytes": 1}
 
 

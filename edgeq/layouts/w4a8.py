@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -189,23 +190,48 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size:
     return W4A8Packed(qweight=out, scales=blocked(scales.to(torch.float32)), zeros=blocked(zeros.to(torch.int8)), group_size=group_size)
 
 
+def _words(qweight: torch.Tensor, a: int, b: int, bk: int) -> torch.Tensor:
+    """The nibble bytes of row blocks a..b-1 as int32 words [nc, kc, bk/4, 16]: word (kg, j) = the 4 VNNI bytes ki=0..3."""
+    body = qweight[a:b, :, : bk * 16]
+    if body.storage_offset() % 4:  # e.g. a tensor inside a memory-mapped file at an odd offset: copy this chunk only
+        body = body.contiguous()
+    return body.view(torch.int32).view(b - a, qweight.shape[1], bk // VNNI, 16)
+
+
+def _unpack_into(qweight: torch.Tensor, group_size: int, a: int, b: int, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """q of row blocks a..b-1 into ``out`` (uint8/int8, >= 32*(b-a)*K elements) as [32*(b-a), K]; ``tmp`` int32 scratch
+    of >= 32*(b-a)*K/8 elements.
+
+    Words of 4 bytes move, not nibbles: the [kg, j] words of each slot are transposed to [j, kb, kg] (one int32
+    copy), which puts the 4 VNNI bytes of a row next to each other, so ``word & 0x0F0F0F0F`` and
+    ``(word >> 4) & 0x0F0F0F0F`` are 4 low / high nibbles already in K order: whole contiguous rows of q.
+    """
+    if sys.byteorder != "little":
+        raise EdgeqError("the amx_w4a8 layout is little-endian; this host is big-endian")
+    bk = block_k(group_size)
+    nc, kc = b - a, qweight.shape[1]
+    k4 = kc * bk // VNNI
+    t = tmp[: nc * 16 * k4].view(nc, 16, kc, bk // VNNI)
+    t.copy_(_words(qweight, a, b, bk).permute(0, 3, 1, 2))
+    t = t.view(nc, 2, 8, k4)  # j = 8h + i
+    o = out[: nc * BLOCK_N * k4 * VNNI].view(torch.int32).view(nc, 2, 2, 8, k4)  # row 16h + 8*hi + i
+    torch.bitwise_and(t, 0x0F0F0F0F, out=o[:, :, 0])
+    t.bitwise_right_shift_(4)
+    torch.bitwise_and(t, 0x0F0F0F0F, out=o[:, :, 1])
+    return out[: nc * BLOCK_N * k4 * VNNI].view(nc * BLOCK_N, k4 * VNNI)
+
+
 def unpack(qweight: torch.Tensor, group_size: int, blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """Packed qweight -> q uint8 [rows, K], the exact inverse of :func:`pack`.
 
     ``blocks=(a, b)`` unpacks only 32-row blocks a..b-1 (rows 32a .. 32b-1), so a caller can work one block of N at
     a time in scratch.
     """
-    bk = block_k(group_size)
     a, b = blocks if blocks is not None else (0, qweight.shape[0])
     if not 0 <= a < b <= qweight.shape[0]:
         raise EdgeqError(f"unpack: block range {a}..{b} outside 0..{qweight.shape[0]}")
-    nc, kc = b - a, qweight.shape[1]
-    body = qweight[a:b, :, : bk * 16].reshape(nc, kc, bk // VNNI, 2, 8, VNNI)
-    out = torch.empty(nc * BLOCK_N, kc * bk, dtype=torch.uint8)
-    v = _nibble_view(out, nc, kc, bk).permute(0, 4, 5, 1, 3, 6, 2)
-    torch.bitwise_and(body, 15, out=v[..., 0])
-    torch.bitwise_right_shift(body, 4, out=v[..., 1])
-    return out
+    n, k = (b - a) * BLOCK_N, packed_shape(qweight, group_size)[1]
+    return _unpack_into(qweight, group_size, a, b, torch.empty(n * k, dtype=torch.uint8), torch.empty(n * k // 8, dtype=torch.int32))
 
 
 def unpack_compensation(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -237,18 +263,14 @@ def has_vnni() -> bool:
     return False
 
 
-def _centered_block(qweight: torch.Tensor, zeros: torch.Tensor, group_size: int, a: int, b: int, scratch: torch.Tensor) -> torch.Tensor:
-    """Unpack row blocks a..b-1 into scratch as int8 (q - z) laid out [K, 32*(b-a)] (a GEMM right operand)."""
-    bk = block_k(group_size)
-    nc, kc = b - a, qweight.shape[1]
-    body = qweight[a:b, :, : bk * 16].reshape(nc, kc, bk // VNNI, 2, 8, VNNI)
-    w = scratch[: kc * bk * nc * BLOCK_N].view(kc * bk, nc * BLOCK_N)
-    # [K, cols] viewed as [kc, kg, ki, nc, h, hi, i]; permuted to the byte order [nc, kc, kg, h, i, ki] + nibble
-    v = w.view(torch.uint8).view(kc, bk // VNNI, VNNI, nc, 2, 2, 8).permute(3, 0, 1, 4, 6, 2, 5)
-    torch.bitwise_and(body, 15, out=v[..., 0])
-    torch.bitwise_right_shift(body, 4, out=v[..., 1])
-    z = zeros[a:b].permute(1, 0, 2).reshape(kc * bk // group_size, 1, 1, nc * BLOCK_N)
-    w.view(kc * bk // group_size, group_size // bk, bk, nc * BLOCK_N).sub_(z)
+def _centered_block(qweight, zeros, group_size: int, a: int, b: int, scratch: torch.Tensor, subtract: bool) -> torch.Tensor:
+    """Row blocks a..b-1 unpacked into ``scratch`` as int8 [32*(b-a), K] (K contiguous per output row): q, or q - z
+    when ``subtract``. Scratch holds 1.5 bytes per weight (the int8 rows, then the int32 transposition buffer)."""
+    n, k = (b - a) * BLOCK_N, qweight.shape[1] * block_k(group_size)
+    w = _unpack_into(qweight, group_size, a, b, scratch[: n * k], scratch[n * k : n * k + n * k // 2].view(torch.int32))
+    if subtract:
+        gc = k // group_size
+        w.view(n, gc, group_size).sub_(zeros[a:b].permute(0, 2, 1).reshape(n, gc, 1))
     return w
 
 
@@ -301,10 +323,44 @@ def _pick_fma(fma: str | None) -> str:
     return fma
 
 
-def _chunk_blocks(m: int, k: int, nc: int, budget: int, backend: str) -> int:
-    """32-row blocks per chunk so the scratch (weights [K, cols] + ~32 bytes per output element) fits ``budget``."""
-    per_col = k * (5 if backend == "fp32" else 1) + m * 32
+def _chunk_blocks(m: int, k: int, kc: int, nc: int, budget: int, backend: str, exact: bool, blockdiag: bool) -> int:
+    """32-row blocks per chunk so the chunk's scratch fits ``budget`` bytes: the unpacked weights [cols, K] (1.5 bytes
+    each, + an fp32 copy for the fp32 backend), and per output column int32 products, fp32 scaled products and the
+    fp32 accumulator (+ two float64 temporaries for the exact FMA); block-diagonal products hold all K blocks."""
+    per_col = k * 3 // 2 + (4 * k if backend == "fp32" else 0) + m * (4 + (16 if exact else 0))
+    per_col += m * 8 * (kc if blockdiag else 1)
     return max(1, min(nc, budget // (per_col * BLOCK_N)))
+
+
+def _block_products(q_a, s_a, w, z, bk: int, backend: str, blockdiag: bool):
+    """Yield, for each K block in order, t = fp32(acc) * s_a as fp32 [M, cols], where acc is the exact int32 dot
+    product of q_a [M, K] with w - z over the block. Per block, w [cols, K] holds q - z (``z is None``); for the
+    block-diagonal product it holds q, and z [K/bk, cols] is applied as acc = q_a . q - z * sum(q_a over the block),
+    the same integer, which saves a pass over the weights when M is small.
+
+    ``blockdiag`` (small M * Kc): one GEMM of the block-diagonal [M*Kc, K] activation matrix (row m*Kc + kb holds
+    q_a's block kb, zeros elsewhere) against all of w gives every block's products at once: Kc times the
+    multiply-adds, but one call instead of Kc, which pays while M is small and reading the weight dominates.
+    """
+    m, k = q_a.shape
+    kc = k // bk
+    mm = torch._int_mm if backend == "int_mm" else torch.mm
+    if blockdiag:
+        a = torch.zeros(m, kc, kc, bk, dtype=q_a.dtype)
+        a.diagonal(dim1=1, dim2=2).copy_(q_a.view(m, kc, bk).permute(0, 2, 1))
+        acc = mm(a.view(m * kc, k), w.t()).view(m, kc, -1)
+        if z is not None:
+            acc -= q_a.view(m, kc, bk).sum(-1, dtype=acc.dtype).unsqueeze(2) * z
+        t = acc.to(torch.float32).mul_(s_a.unsqueeze(2))  # int32 -> fp32 is exact below 2^24; one fp32 rounding
+        for kb in range(kc):
+            yield t[:, kb]
+        return
+    acc = torch.empty(m, w.shape[0], dtype=torch.int32 if backend == "int_mm" else torch.float32)
+    t = torch.empty(m, w.shape[0])
+    for kb in range(kc):
+        ks = slice(kb * bk, (kb + 1) * bk)
+        mm(q_a[:, ks], w[:, ks].t(), out=acc)
+        yield t.copy_(acc).mul_(s_a)  # the same buffer each block: consumed before the next
 
 
 def w4a8_linear(
@@ -319,7 +375,8 @@ def w4a8_linear(
     backend: str | None = None,
     fma: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    scratch_bytes: int = 8 << 20,
+    scratch_bytes: int = 2 << 20,
+    blockdiag_rows: int = 128,
     name: str = "w4a8_linear",
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) with the W4A8 kernel's arithmetic, bit for bit: x bf16/fp32 [..., K] -> bf16 [..., N].
@@ -329,7 +386,11 @@ def w4a8_linear(
     ``torch._int_mm`` (``backend="int_mm"``, default where the CPU has AVX512-VNNI/AMX) or an fp32 GEMM on the
     integer values (``"fp32"``; exact: |q_a| <= 127, |q - z| <= 15, so every product and partial sum over
     bk <= 128 inputs is an integer below 127*15*128 = 243840 < 2^24). Both give identical bits.
-    ``fused=False`` replaces the fused multiply-add by a rounded multiply then a rounded add.
+    The FMA is ``torch.addcmul`` where :func:`addcmul_is_fma` holds on this build (``fma="addcmul"``), else the
+    float64 emulation (``fma="exact"``); ``fused=False`` replaces it by a rounded multiply then a rounded add.
+    ``out_dtype=torch.float32`` returns the fp32 accumulator (the kernel's fp32 output). Products are computed per
+    K block, or all at once through a block-diagonal activation matrix when M * K/bk <= ``blockdiag_rows``
+    (decode); both give the same integers.
     """
     n, k = check_packed(name, qweight, scales, zeros, group_size)
     if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != k:
@@ -338,49 +399,48 @@ def w4a8_linear(
         raise EdgeqError(f"{name}.bias: expected [{n}], got {list(bias.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise EdgeqError(f"{name}: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    backend = _pick_backend(backend)
-    fma = _pick_fma(fma)
+    backend, fma = _pick_backend(backend), _pick_fma(fma)
+    exact = fused and fma == "exact"
     CALLS["w4a8_linear"] += 1
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    lead, x2 = x.shape[:-1], x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return out.reshape(*lead, n)
     q_a, s_a = quantize_activations(x2)
     s_a = s_a.unsqueeze(1)
-    a_mat = q_a if backend == "int_mm" else q_a.to(torch.float32)
+    if backend == "fp32":
+        q_a = q_a.to(torch.float32)
     bk = block_k(group_size)
     kc, nc = k // bk, n // BLOCK_N
-    step = _chunk_blocks(m, k, nc, scratch_bytes, backend)
-    scratch = torch.empty(k * step * BLOCK_N, dtype=torch.int8)
+    blockdiag = m * kc <= blockdiag_rows
+    step = _chunk_blocks(m, k, kc, nc, scratch_bytes, backend, exact, blockdiag)
+    scratch = torch.empty(k * step * BLOCK_N * 3 // 2, dtype=torch.int8)
     b32 = bias.to(torch.float32) if bias is not None else None
+    path = f"fma_{fma if fused else 'unfused'}"
     for a in range(0, nc, step):
         b = min(nc, a + step)
         cols = (b - a) * BLOCK_N
-        w = _centered_block(qweight, zeros, group_size, a, b, scratch)
+        w = _centered_block(qweight, zeros, group_size, a, b, scratch, subtract=not blockdiag)
         if backend == "fp32":
             w = w.to(torch.float32)
-        s_w = scales[a:b].permute(1, 0, 2).reshape(k // group_size, cols)
+        s_w = unpack_params(scales[a:b])
+        z = unpack_params(zeros[a:b]).to(q_a.dtype if backend == "fp32" else torch.int32) if blockdiag else None
         c = torch.zeros(m, cols)
         if b32 is not None:
             c.copy_(b32[a * BLOCK_N : b * BLOCK_N].expand(m, cols))
         p = s = None
-        if fused and fma == "exact":
-            p = torch.empty(m, cols, dtype=torch.float64)
-            s = torch.empty_like(p)
-        for kb in range(kc):
-            ks = slice(kb * bk, (kb + 1) * bk)
-            acc = torch._int_mm(a_mat[:, ks], w[ks]) if backend == "int_mm" else torch.mm(a_mat[:, ks], w[ks])
-            t = acc * s_a  # fp32(acc) * s_a: one fp32 rounding (int32 -> fp32 is exact below 2^24)
+        if exact:
+            p, s = torch.empty(m, cols, dtype=torch.float64), torch.empty(m, cols, dtype=torch.float64)
+        for kb, t in enumerate(_block_products(q_a, s_a, w, z, bk, backend, blockdiag)):
             sw = s_w[kb * bk // group_size]
             if not fused:
-                c.add_(t.mul_(sw))
-            elif fma == "addcmul":
-                c.addcmul_(t, sw)  # fma(t, sw, c) on this build: checked by addcmul_is_fma()
-            else:
+                c.add_(t * sw)
+            elif exact:
                 fma_into(t, sw.to(torch.float64), c, p, s)
+            else:
+                c.addcmul_(t, sw)  # fma(t, sw, c) on this build: checked by addcmul_is_fma()
         CALLS[f"blocks_{backend}"] += kc * (b - a)
-        CALLS[f"fma_{fma if fused else 'unfused'}"] += kc * (b - a)
+        CALLS[path] += kc * (b - a)
         out[:, a * BLOCK_N : b * BLOCK_N] = c
     return out.reshape(*lead, n)
