@@ -143,7 +143,11 @@ def parse_bytes(text: str) -> int:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Non-standalone typer returns the exit code of typer.Exit, and 130 for a KeyboardInterrupt it caught.
+        code = app(standalone_mode=False)
+        if code == 130:
+            raise KeyboardInterrupt
+        sys.exit(code if isinstance(code, int) else 0)
     except EdgeqError as e:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
