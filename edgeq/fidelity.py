@@ -196,13 +196,22 @@ def _row_blocks(rows: int, vocab: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
-def _topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices
+def top_n_mask(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [S, V]: the n largest entries of each row, ties at the boundary going to the lowest token ids.
+
+    bf16 logits tie often; torch.topk breaks ties arbitrarily, which would make the top-5 overlap depend on the
+    kernel. Example: logits (1, 3, 3, 3, 0), n = 2 -> ids {1, 2}.
+    """
+    n = min(n, logits.shape[-1])
+    nth = torch.topk(logits, n, dim=-1).values[:, -1:]
+    above, tied = logits > nth, logits == nth
+    room = n - above.sum(-1, keepdim=True)
+    return above | (tied & (torch.cumsum(tied, dim=-1) <= room))
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Fraction of the ids in each row of ``a`` [S, k] that also appear in the same row of ``b`` [S, k]."""
-    return (a[:, :, None] == b[:, None, :]).any(-1).sum(-1).double() / a.shape[-1]
+def _mask_ids(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids of the true entries of each row of a mask with exactly n per row, ascending: int64 [S, n]."""
+    return mask.nonzero()[:, 1].view(mask.shape[0], n)
 
 
 def position_stats(ref_logits: torch.Tensor, quant_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
@@ -211,7 +220,8 @@ def position_stats(ref_logits: torch.Tensor, quant_logits: torch.Tensor, targets
     ``ref_logits``, ``quant_logits``: float [S, V]; ``targets``: int64 [S], the token that followed each row.
     Returns float64 arrays [S]: ``nll_ref = -log p(target)``, ``nll_quant = -log q(target)``,
     ``kld = sum_i p_i (log p_i - log q_i)`` (terms with p_i = 0 are 0), ``delta_p = q(target) - p(target)``,
-    ``top1_same`` (argmax of both logits equal, first index on ties) and ``top5_overlap`` (|top5_p & top5_q| / 5).
+    ``top1_same`` (argmax of both logits equal, first index on ties) and ``top5_overlap`` (|top5_p & top5_q| / 5,
+    sets from :func:`top_n_mask`).
     Example: p = q gives kld 0, delta_p 0, top1_same 1, top5_overlap 1 exactly.
     """
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("nll_ref", "nll_quant", "kld", "delta_p", "top1_same", "top5_overlap")}
@@ -228,7 +238,8 @@ def position_stats(ref_logits: torch.Tensor, quant_logits: torch.Tensor, targets
         out["nll_quant"].append(-tq)
         out["delta_p"].append(tq.exp() - tr.exp())
         out["top1_same"].append((r.argmax(-1) == q.argmax(-1)).double())
-        out["top5_overlap"].append(_overlap(_topk_ids(r, TOP5), _topk_ids(q, TOP5)))
+        n5 = min(TOP5, V)
+        out["top5_overlap"].append((top_n_mask(r, n5) & top_n_mask(q, n5)).sum(-1).double() / n5)
     return {k: torch.cat(v).numpy() for k, v in out.items()}
 
 
@@ -238,7 +249,8 @@ class RefRows:
 
     topk_ids int32 [S, k] and topk_logprobs float64 [S, k]: the k most likely tokens, most likely first;
     target_logprob float64 [S]: log p(target); tail_logmass float64 [S]: log of the probability outside the top k
-    (logsumexp of the other V-k log-probs, -inf if none); top1 int32 [S]: argmax of the logits (first on ties).
+    (logsumexp of the other V-k log-probs, -inf if none); top1 int32 [S]: argmax of the logits (first on ties);
+    top5 int32 [S, 5]: the top-5 set of :func:`top_n_mask`, ascending ids.
     """
 
     topk_ids: torch.Tensor
@@ -246,6 +258,7 @@ class RefRows:
     target_logprob: torch.Tensor
     tail_logmass: torch.Tensor
     top1: torch.Tensor
+    top5: torch.Tensor
 
     def slice(self, a: int, b: int) -> "RefRows":
         return RefRows(*(getattr(self, f.name)[a:b] for f in fields(self)))
@@ -270,8 +283,9 @@ def ref_rows(ref_logits: torch.Tensor, targets: torch.Tensor, k: int) -> RefRows
         lr = torch.log_softmax(r.double(), dim=-1)
         top = torch.topk(lr, min(k, V), dim=-1)
         tail = torch.logsumexp(lr.masked_fill(~_tail_mask(top.indices, V), -math.inf), dim=-1)
+        n5 = min(TOP5, V)
         parts.append(RefRows(top.indices.int(), top.values, lr.gather(1, targets[a:b, None])[:, 0], tail,
-                             r.argmax(-1).int()))
+                             r.argmax(-1).int(), _mask_ids(top_n_mask(r, n5), n5).int()))
     return RefRows.cat(parts)
 
 
@@ -302,7 +316,7 @@ def worst_tail_kl(tail_logq: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def position_stats_topk(ref: RefRows, quant_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
     """Like :func:`position_stats`, with the reference known only through its cached :class:`RefRows`.
 
-    Exact: nll_ref, nll_quant, delta_p, top1_same, top5_overlap (needs k >= 5). KLD is the KL divergence of the two
+    Exact: nll_ref, nll_quant, delta_p, top1_same, top5_overlap. KLD is the KL divergence of the two
     distributions coarse-grained to {each top-k token of the reference, everything else}:
     ``kld_k = sum_{i in K} p_i (log p_i - log q_i) + P_T (log P_T - log Q_T)``, with P_T, Q_T the tail masses.
     By the log-sum inequality ``0 <= kld - kld_k = P_T KL(p|T || q|T)``, and since every tail p_i <= p_(k)
@@ -337,7 +351,8 @@ def position_stats_topk(ref: RefRows, quant_logits: torch.Tensor, targets: torch
         cols["nll_quant"].append(-tq)
         cols["delta_p"].append(tq.exp() - rr.target_logprob.exp())
         cols["top1_same"].append((q.argmax(-1) == rr.top1.long()).double())
-        cols["top5_overlap"].append(_overlap(ids[:, :TOP5], _topk_ids(q, min(TOP5, ids.shape[1]))))
+        n5 = rr.top5.shape[1]
+        cols["top5_overlap"].append(top_n_mask(q, n5).gather(1, rr.top5.long()).sum(-1).double() / n5)
     return {k: torch.cat(v).numpy() for k, v in cols.items()}
 
 
@@ -783,8 +798,9 @@ def load_reference_file(path: str | os.PathLike) -> ReferenceFile:
     if missing:
         raise EdgeqError(f"{path}: reference file lacks tensor(s) {', '.join(missing)}; {fix}")
     P, k, W, ctx = header["positions"], header["k"], header["windows"], header["ctx"]
+    n5 = min(TOP5, header["vocab_size"])
     want = {"input_ids": (W, ctx), "topk_ids": (P, k), "topk_logprobs": (P, k), "target_logprob": (P,),
-            "tail_logmass": (P,), "top1": (P,)}
+            "tail_logmass": (P,), "top1": (P,), "top5": (P, n5)}
     for n, shape in want.items():
         if tuple(tensors[n].shape) != shape:
             raise EdgeqError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, the header says {shape}; {fix}")
@@ -809,9 +825,6 @@ def compare_to_reference_file(ref_file: str | os.PathLike | ReferenceFile, quant
         if mine is not None and mine != theirs:
             raise EdgeqError(f"{name}: made with {opt} {theirs}, asked for {opt} {mine}; drop {opt} or re-create "
                              f"the reference file")
-    if h["k"] < TOP5:
-        raise EdgeqError(f"{name}: top-k {h['k']} is below {TOP5}, too few for the top-5 overlap; re-create it with "
-                         f"--ref-topk {DEFAULT_REF_TOPK}")
     q = _Side(quant, "quantised", tokenizer)
     if q.vocab_size is not None and q.vocab_size != h["vocab_size"]:
         raise EdgeqError(f"vocab size differs: the reference file was made with {h['vocab_size']}, the quantised "
