@@ -128,6 +128,70 @@ def recipes(as_json: bool = typer.Option(False, "--json")) -> None:
     emit([dataclasses.asdict(r) for r in found], as_json, render)
 
 
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint)."),
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    max_tokens: int = typer.Option(64, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt with the tokenizer's chat template."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    strict_layout: bool = typer.Option(False, "--strict-layout", help="Refuse a checkpoint packed for another layout."),
+) -> None:
+    """Generate text, streamed to stdout; load info and tokens/s on stderr."""
+    from edgeq.runtime.generate import generate_command
+
+    generate_command(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat,
+                     max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, stop=stop, strict_layout=strict_layout,
+                     threads=threads)
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes"),
+    queue_size: int = typer.Option(8, "--queue-size", help="Requests waiting beyond the running one; more get 429."),
+    max_body_bytes: str = typer.Option("1MiB", "--max-body-bytes"),
+    model_name: Optional[str] = typer.Option(None, "--model-name"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    strict_layout: bool = typer.Option(False, "--strict-layout"),
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    from edgeq.runtime.serve import serve_command
+
+    serve_command(model, host=host, port=port, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                  queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name,
+                  strict_layout=strict_layout, threads=threads)
+
+
+@app.command()
+def repack(
+    model: str = typer.Argument(..., help="An edgeq checkpoint packed on another machine."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Write here instead of in place."),
+) -> None:
+    """Rewrite a checkpoint's packed weights for this machine's measured kernel layout."""
+    from edgeq.runtime.repack import repack_command
+
+    repack_command(model, output)
+
+
+def _register_edges() -> None:
+    """Commands whose modules define their own Typer signatures."""
+    from edgeq.fidelity import fidelity_command
+    from edgeq.report import inspect_command
+
+    app.command("inspect")(inspect_command)
+    app.command("fidelity")(fidelity_command)
+
+
 def parse_bytes(text: str) -> int:
     """'256MiB' -> 268435456, '2GB' -> 2000000000, '1024' -> 1024."""
     import re
@@ -142,6 +206,7 @@ def parse_bytes(text: str) -> int:
 
 
 def main() -> None:
+    _register_edges()
     try:
         # Non-standalone typer returns the exit code of typer.Exit, and 130 for a KeyboardInterrupt it caught.
         code = app(standalone_mode=False)
