@@ -11,6 +11,7 @@ Shapes N x K: 1536 x 1536 and 8960 x 1536 (Qwen2.5-1.5B's q/o and gate/up); M = 
 Weights are random (speed does not depend on values).
 
     python benchmarks/bench_w4a8.py [--passes 5] [--threads N] [--exact] [--shapes 1536x1536,8960x1536] [--ms 1,512]
+    python benchmarks/bench_w4a8.py --quant     # clipping search vs min/max on the bundled model's weights instead
 """
 
 from __future__ import annotations
@@ -22,10 +23,37 @@ import platform
 import statistics
 import time
 
+from pathlib import Path
+
 import torch
 
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as L
+from edgeq.quantize.w4a8 import group_sq_error, quantize_w4a8
+
+MODEL = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose" / "model.safetensors"
+
+
+def quant_report() -> None:
+    """Reconstruction error of every 2-D weight of the bundled model (linears and the tied embedding/head), W4A8
+    min/max vs the clipping search, per group size: relative Frobenius error and the share of groups improved."""
+    from safetensors import safe_open
+
+    with safe_open(str(MODEL), "pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys() if len(f.get_slice(k).get_shape()) == 2}
+    print(f"# W4A8 weight reconstruction on {MODEL.parent.name}: {len(weights)} 2-D tensors, "
+          f"{sum(w.numel() for w in weights.values())} weights\n")
+    print("| G | minmax rel. error | clip rel. error | clip / minmax (squared) | groups improved |")
+    print("|---|---|---|---|---|")
+    for g in (32, 64, 128):
+        e_mm = e_clip = norm = 0.0
+        better = total = 0
+        for name, w in weights.items():
+            a = group_sq_error(w, quantize_w4a8(w, g, name=name, method="minmax"))
+            b = group_sq_error(w, quantize_w4a8(w, g, name=name))
+            e_mm, e_clip, norm = e_mm + float(a.sum()), e_clip + float(b.sum()), norm + float(w.double().square().sum())
+            better, total = better + int((b < a).sum()), total + a.numel()
+        print(f"| {g} | {(e_mm / norm) ** 0.5:.4f} | {(e_clip / norm) ** 0.5:.4f} | {e_clip / e_mm:.3f} | {better / total:.1%} |")
 
 
 def build(n: int, k: int, g: int, gen: torch.Generator) -> dict:
@@ -76,7 +104,11 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="add the float64-FMA arm")
     ap.add_argument("--shapes", default="1536x1536,8960x1536")
     ap.add_argument("--ms", default="1,512")
+    ap.add_argument("--quant", action="store_true", help="report clipping vs min/max reconstruction error and exit")
     a = ap.parse_args()
+    if a.quant:
+        quant_report()
+        return
     if a.passes < 3:
         ap.error("--passes must be >= 3 (medians of at least three)")
     if a.threads:

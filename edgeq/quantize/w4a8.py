@@ -39,7 +39,7 @@ METHODS = ("rtn", "minmax")
 CLIP_RATIOS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76, 0.73, 0.70)  # same grid as W4A16 (rtn.py)
 ACT_EPS = 1e-7  # the kernel's floor on amax, as fp32
 _TINY = torch.finfo(torch.float32).tiny  # scale of an all-zero group: keeps w / s finite, dequantises to 0
-_ROW_BLOCK_ELEMENTS = 1 << 21  # ~2M weights per pass: a few 8-16 MB temporaries, whatever N is
+_ROW_BLOCK_ELEMENTS = 1 << 18  # weights per pass: temporaries of 1-2 MB (cache-sized), whatever N is
 
 
 @dataclass(frozen=True)
@@ -75,36 +75,44 @@ def _check_finite(wf: torch.Tensor, name: str, row0: int) -> None:
         raise EdgeqError(f"{name}: {int(bad.sum())} NaN/Inf value(s) in the weight (first in row {first}); fix or re-export the checkpoint")
 
 
-def _candidate(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, r: float):
-    """(q, s, z) for the range [r * lo, r * hi]; wf [R, Gc, G], lo/hi [R, Gc, 1] with lo <= 0 <= hi."""
+def _params(lo: torch.Tensor, hi: torch.Tensor, r: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, z) as fp32 for the range [r * lo, r * hi], lo <= 0 <= hi; shapes [R, Gc, 1]."""
     s = ((hi - lo) * r / 15.0).clamp_min_(_TINY)
     z = torch.round(-(lo * r) / s).clamp_(0.0, 15.0)
-    q = (torch.round(wf / s) + z).clamp_(0.0, 15.0)
-    return q, s, z
+    return s, z
 
 
-def _sq_error(wf: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """sum over the group of ((q - z) * s - w)^2 in float64 (exact dequantised values); shape [R, Gc]."""
-    d = (q - z).double().mul_(s.double()).sub_(wf.double())
-    return d.square_().sum(-1)
+def _levels(wf: torch.Tensor, s: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q - z = clamp(round(w / s) + z, 0, 15) - z as fp32 (small integers, exact)."""
+    q = torch.div(wf, s, out=out).round_().add_(z).clamp_(0.0, 15.0)
+    return q.sub_(z)
+
+
+def _sq_error(w64: torch.Tensor, qz: torch.Tensor, s: torch.Tensor, d64: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over the group of ((q - z) * s - w)^2 in float64, where (q - z) * s is exact; shape [R, Gc]."""
+    d = d64.copy_(qz) if d64 is not None else qz.double()
+    return d.mul_(s.double()).sub_(w64).square_().sum(-1)
 
 
 def _quantize_block(wf: torch.Tensor, ratios: tuple[float, ...]):
-    """wf fp32 [R, Gc, G] -> (q [R, Gc, G], s [R, Gc, 1], z [R, Gc, 1]) as fp32."""
+    """wf fp32 [R, Gc, G] -> (q [R, Gc, G], s [R, Gc, 1], z [R, Gc, 1]) as fp32.
+
+    Only the per-group (s, z) of the best ratio so far is kept; q is recomputed once for the winners.
+    """
     lo = wf.amin(-1, keepdim=True).clamp_(max=0.0)
     hi = wf.amax(-1, keepdim=True).clamp_(min=0.0)
-    best = best_err = None
-    for r in ratios:
-        q, s, z = _candidate(wf, lo, hi, r)
-        err = _sq_error(wf, q, s, z)
-        if best is None:
-            best, best_err = (q, s, z), err
-            continue
+    w64 = wf.double()
+    qz, d64 = torch.empty_like(wf), torch.empty_like(w64)
+    best_s, best_z = _params(lo, hi, ratios[0])
+    best_err = _sq_error(w64, _levels(wf, best_s, best_z, qz), best_s, d64)
+    for r in ratios[1:]:
+        s, z = _params(lo, hi, r)
+        err = _sq_error(w64, _levels(wf, s, z, qz), s, d64)
         better = err < best_err  # strict: ties keep the earlier (wider) range, so min/max wins ties
-        b3 = better.unsqueeze(-1)
-        best = (torch.where(b3, q, best[0]), torch.where(b3, s, best[1]), torch.where(b3, z, best[2]))
         best_err = torch.where(better, err, best_err)
-    return best
+        better = better.unsqueeze(-1)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return _levels(wf, best_s, best_z, qz).add_(best_z), best_s, best_z
 
 
 def quantize_w4a8(
@@ -155,11 +163,9 @@ def group_sq_error(w: torch.Tensor, qw: W4A8Weights) -> torch.Tensor:
     """float64 [K/G, N]: sum over each group of ((q - z) * s - w)^2, the quantity the clipping search minimises."""
     n, k = w.shape
     g = qw.group_size
-    wf = w.to(torch.float32).reshape(n, k // g, g)
-    q = qw.q.to(torch.float32).reshape(n, k // g, g)
-    s = qw.scales.t().unsqueeze(-1)
-    z = qw.zeros.t().to(torch.float32).unsqueeze(-1)
-    return _sq_error(wf, q, s, z).t()
+    w64 = w.to(torch.float32).double().reshape(n, k // g, g)
+    qz = qw.q.to(torch.float32).reshape(n, k // g, g) - qw.zeros.t().to(torch.float32).unsqueeze(-1)
+    return _sq_error(w64, qz, qw.scales.t().unsqueeze(-1)).t()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
