@@ -204,8 +204,11 @@ def top_n_mask(logits: torch.Tensor, n: int) -> torch.Tensor:
     """
     n = min(n, logits.shape[-1])
     nth = torch.topk(logits, n, dim=-1).values[:, -1:]
-    above, tied = logits > nth, logits == nth
+    above = logits > nth
     room = n - above.sum(-1, keepdim=True)
+    tied = logits == nth
+    if bool((tied.sum(-1, keepdim=True) == room).all()):  # no row has more tied candidates than free places
+        return above | tied
     return above | (tied & (torch.cumsum(tied, dim=-1) <= room))
 
 

@@ -680,3 +680,28 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
     assert full.ppl_ref == pytest.approx(rep.ppl_ref, rel=1e-5) and full.kld_mean < 1e-9
     assert F.tokenizer_sha256(tok) == F.tokenizer_sha256(AutoTokenizer.from_pretrained(
         Path(F.__file__).parent / "data" / "tiny-prose"))
+
+
+# ------------------------------------------------------------------------------------------------- the runtime
+@pytest.mark.slow
+def test_end_to_end_on_the_bundled_model(fixture_model, fixture_quantized, tmp_path):
+    """edgeq.runtime.load on both sides: the bf16 reference against itself and against its w4a16-g128 checkpoint."""
+    same = F.run_fidelity(fixture_model, fixture_model, ctx=128, max_tokens=63)
+    assert same.kld_mean == 0.0 and same.top1_agreement == 1.0 and same.tokens_scored == 63
+
+    ref_file = tmp_path / "ref.safetensors"
+    rep = F.run_fidelity(fixture_model, fixture_quantized, ctx=128, max_tokens=200, per_layer=True, top=40,
+                         save_ref=ref_file)
+    assert rep.tokens_scored == 200 and rep.windows == 4 and not rep.partial
+    # a real 4-bit model of this size: measurably different, still the same model
+    assert 0.001 < rep.kld_mean < 0.1 and 0.75 < rep.top1_agreement < 1.0
+    assert 1.0 < rep.ppl_ratio < 1.1 and rep.nll_correlation > 0.98
+    names = {e.name for e in rep.per_layer}
+    assert rep.per_layer_count == 29 and len(names) == 29  # 4 layers x 7 linears + the untied, quantised head
+    assert "lm_head" in names and "model.layers.0.mlp.down_proj" in names
+    assert all(0 < e.rel_err < 0.5 and 0 < e.local_rel_err < 0.5 for e in rep.per_layer)
+
+    cached = F.run_fidelity(None, fixture_quantized, ref_file=ref_file)
+    for name in ("ppl_ref", "ppl_quant", "top1_agreement", "top5_overlap", "delta_p_rms"):
+        assert getattr(cached, name) == pytest.approx(getattr(rep, name), rel=1e-9), name
+    assert cached.kld_mean <= rep.kld_mean <= cached.kld_mean + cached.kld_topk_bound
