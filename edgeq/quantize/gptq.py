@@ -34,6 +34,7 @@ the min/max round-to-nearest of W.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,19 @@ def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     ``w_hat = (q - 8) * scale + zero``, the exact fp32 expression of :func:`edgeq.layouts.tinygemm.dequantize`."""
     q = (torch.round((w - zero) / scale) + 8.0).clamp_(0.0, 15.0)
     return q, (q - 8.0) * scale + zero
+
+
+@contextmanager
+def _one_thread():
+    """Run the column sweep on one intra-op thread: its thousands of small steps gain nothing from a second thread,
+    and with busy cores the thread pool's hand-offs cost more than the work (measured 4-5x slower with 2 threads on
+    a loaded 2-core machine). The per-block matmuls are a small share of the time. Process-global while active."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
@@ -242,33 +256,8 @@ def gptq_quantize(
     W_hat = torch.empty(n, k, dtype=torch.float32)
     bs = max(g, (block_size // g) * g)
     inner = math.gcd(g, _INNER)
-    for i1 in range(0, k, bs):
-        i2 = min(i1 + bs, k)
-        Err = torch.empty(n, i2 - i1, dtype=torch.float32)
-        for j1 in range(i1, i2, inner):
-            j2 = min(j1 + inner, i2)
-            W1 = W[:, j1:j2]  # a view: updates land in W directly
-            U1 = U[j1:j2, j1:j2]
-            for i in range(j2 - j1):
-                c = j1 + i
-                if static_col_group is not None:
-                    j = int(static_col_group[c])
-                    scale, zero = scales[j], zeros[j]
-                elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
-                    s1, z1 = minmax_qparams(W[:, c : c + g])
-                    scale, zero = s1[:, 0], z1[:, 0]
-                    scales[c // g], zeros[c // g] = scale, zero
-                col = W1[:, i]
-                qc, wc = quantize_values(col, scale, zero)
-                Q[:, c] = qc.to(torch.uint8)
-                W_hat[:, c] = wc
-                e = (col - wc) / U1[i, i]
-                Err[:, c - i1] = e
-                W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
-            if j2 < i2:
-                W[:, j2:i2].addmm_(Err[:, j1 - i1 : j2 - i1], U[j1:j2, j2:i2], alpha=-1.0)
-        if i2 < k:
-            W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
+    with _one_thread():
+        _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g, bs, inner)
     del W
 
     out_perm = perm
@@ -293,6 +282,39 @@ def gptq_quantize(
         sq_norm=w32.double().square().sum(-1),
         w_hat=W_hat if keep_dequantized else None,
     )
+
+
+def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inner: int) -> None:
+    """The GPTQ column sweep over W [N, K] (fp32, visit order, updated in place) with U the upper Cholesky factor
+    of the damped H^-1; fills Q (uint8), W_hat (fp32) and, for dynamic groups, scales/zeros [K/G, N]."""
+    n, k = W.shape
+    for i1 in range(0, k, bs):
+        i2 = min(i1 + bs, k)
+        Err = torch.empty(n, i2 - i1, dtype=torch.float32)
+        for j1 in range(i1, i2, inner):
+            j2 = min(j1 + inner, i2)
+            W1 = W[:, j1:j2]  # a view: updates land in W directly
+            U1 = U[j1:j2, j1:j2]
+            for i in range(j2 - j1):
+                c = j1 + i
+                if static_col_group is not None:
+                    j = int(static_col_group[c])
+                    scale, zero = scales[j], zeros[j]
+                elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
+                    s1, z1 = minmax_qparams(W[:, c : c + g])
+                    scale, zero = s1[:, 0], z1[:, 0]
+                    scales[c // g], zeros[c // g] = scale, zero
+                col = W1[:, i]
+                qc, wc = quantize_values(col, scale, zero)
+                Q[:, c] = qc  # the copy casts to uint8
+                W_hat[:, c] = wc
+                e = (col - wc) / U1[i, i]
+                Err[:, c - i1] = e
+                W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
+            if j2 < i2:
+                W[:, j2:i2].addmm_(Err[:, j1 - i1 : j2 - i1], U[j1:j2, j2:i2], alpha=-1.0)
+        if i2 < k:
+            W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
 
 
 def concat_rows(parts: list[GPTQResult]) -> GPTQResult:

@@ -1,0 +1,293 @@
+"""Layer-streamed GPTQ calibration: one decoder layer in memory at a time, inputs from the quantised layers before.
+
+For a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3 families), calibration token windows
+[S, T] and a :class:`Scheme`, :func:`gptq_model` yields ``(module_name, GPTQResult)`` for every Linear of every
+decoder layer, in execution order, then for ``lm_head``:
+
+1. The model skeleton is built from its transformers class on the meta device (no weights). The embedding rows the
+   windows use are read (in row blocks) into the hidden states ``h [S, T, D]`` (compute dtype, bf16 by default).
+2. For each decoder layer: its weights are read from the safetensors files into a materialised copy of that layer.
+   A discovery pass on one batch finds the order in which its Linears run and which of them read the same input
+   tensor (q/k/v, gate/up): each such group shares one Hessian. Group by group, in order ("true sequential"), a
+   forward pass over all windows accumulates the group's Hessian ``2/n X^T X`` with a forward pre-hook and stops the
+   layer right there; every member is quantised with :func:`gptq_quantize` under one :func:`prepare_hessian`, and
+   its weight in the layer is replaced by the dequantised weight, so later groups see quantised inputs. A last pass
+   computes the layer's outputs, which are the next layer's inputs. The layer is then released (back to meta).
+3. The head's Hessian comes from the final norm applied to the last layer's (quantised) outputs; the head weight
+   (``lm_head.weight``, or the embedding table when tied) is quantised in row blocks under one factorisation.
+
+Peak memory: one layer's weights (compute dtype, plus one Linear in fp32 while it is quantised), the layer's
+Hessians (4 K^2 bytes each), two copies of the calibration activations (S * T * D in the compute dtype) and one
+batch's intermediate activations. The head is processed in row blocks of ~``ROW_BLOCK_ELEMENTS`` weights.
+
+Attention runs through PyTorch SDPA with an explicit causal mask; windows longer than a model's sliding window are
+refused rather than silently mis-masked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
+from edgeq.errors import EdgeqError
+from edgeq.quantize.gptq import GPTQResult, HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
+from edgeq.scheme import Scheme
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HEAD_MODULE = "lm_head"
+ROW_BLOCK_ELEMENTS = 16 << 20  # head row blocks: ~16M weights (64 MB fp32 per working copy)
+BATCH_TOKENS = 2048  # tokens per forward batch (whole windows)
+
+Progress = Callable[[int, int, str], None]  # (done, total, label): layers done of n_layers + 1 (the head)
+Observer = Callable[[str, torch.Tensor], None]  # (module name of a Hessian group's first member, H [K, K] fp32)
+
+
+class _StopForward(Exception):
+    """Raised from a pre-hook once the group being calibrated has its input: the rest of the layer is not needed."""
+
+
+def calibration_windows(model_dir: str | Path, text: str, nsamples: int = 128, seqlen: int = 512) -> torch.Tensor:
+    """Tokenise ``text`` with the model's ``tokenizer.json`` and cut it into consecutive, non-overlapping windows:
+    int64 [min(nsamples, available), seqlen]. Deterministic (no sampling), so runs are reproducible."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise EdgeqError(f"{path}: not found; GPTQ calibration needs the model's tokenizer.json")
+    if nsamples < 1 or seqlen < 2:
+        raise EdgeqError(f"calibration: nsamples={nsamples} and seqlen={seqlen} must be >= 1 and >= 2")
+    ids = Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids
+    count = min(nsamples, len(ids) // seqlen)
+    if count == 0:
+        raise EdgeqError(f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}; give a longer --calib file or a smaller --seqlen")
+    return torch.tensor(ids[: count * seqlen], dtype=torch.int64).reshape(count, seqlen)
+
+
+def _build_skeleton(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise EdgeqError(
+            f"{model_dir / 'config.json'}: model_type {config.model_type!r} is not supported by GPTQ calibration "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --method rtn"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.requires_grad_(False)
+    return config, model
+
+
+def _check_windows(windows: torch.Tensor, config) -> None:
+    if windows.dim() != 2 or windows.dtype not in (torch.int64, torch.int32) or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise EdgeqError(f"calibration windows: expected int64 [S, T] with S >= 1, T >= 2, got {windows.dtype} {list(windows.shape)}")
+    lo, hi = int(windows.min()), int(windows.max())
+    if lo < 0 or hi >= config.vocab_size:
+        raise EdgeqError(f"calibration windows: token ids {lo}..{hi} outside the vocabulary 0..{config.vocab_size - 1}; wrong tokenizer?")
+    sw = getattr(config, "sliding_window", None)
+    if sw and getattr(config, "use_sliding_window", True) and windows.shape[1] > sw:
+        raise EdgeqError(f"calibration windows of {windows.shape[1]} tokens exceed the model's sliding window {sw}; use --seqlen {sw} or less")
+
+
+def _read_into(ckpt: Checkpoint, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
+    """Materialise ``module`` on the CPU and fill its parameters from the checkpoint tensors ``prefix + name``."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            full = prefix + name
+            info = ckpt.tensors.get(full)
+            if info is None:
+                raise EdgeqError(f"{ckpt.root}: tensor {full} not found; the checkpoint does not match its config's architecture")
+            if tuple(info.shape) != tuple(p.shape):
+                raise EdgeqError(f"{info.file}: tensor {full} has shape {list(info.shape)}, the architecture expects {list(p.shape)}")
+            p.copy_(ckpt.read(full).to(dtype))
+
+
+def _embed(ckpt: Checkpoint, name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gather embedding rows for ``ids`` [S, T] reading the table in row blocks -> [S, T, D]."""
+    info = ckpt.tensors.get(name)
+    if info is None:
+        raise EdgeqError(f"{ckpt.root}: embedding table {name} not found")
+    v, d = info.shape
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.numel(), d, dtype=dtype)
+    step = max(1, ROW_BLOCK_ELEMENTS // d)
+    for a in range(0, v, step):
+        b = min(v, a + step)
+        sel = (flat >= a) & (flat < b)
+        if bool(sel.any()):
+            out[sel] = ckpt.read(name, (a, b))[flat[sel] - a].to(dtype)
+    return out.reshape(*ids.shape, d)
+
+
+def _batches(s: int, t: int) -> list[slice]:
+    b = max(1, BATCH_TOKENS // t)
+    return [slice(a, min(s, a + b)) for a in range(0, s, b)]
+
+
+class _LayerRunner:
+    """Calls one decoder layer on a batch of windows with the causal mask and rotary embeddings."""
+
+    def __init__(self, model, config, t: int, dtype: torch.dtype):
+        rot = type(model.model.rotary_emb)(config=config)  # real buffers (the skeleton's are on meta)
+        self.position_ids = torch.arange(t).unsqueeze(0)
+        self.cos_sin = rot(torch.zeros(1, dtype=dtype), self.position_ids)
+        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu_(1)
+        self.mask = mask[None, None]
+
+    def __call__(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = layer(h, attention_mask=self.mask, position_ids=self.position_ids, position_embeddings=self.cos_sin)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _discover_groups(layer: nn.Module, run: _LayerRunner, h: torch.Tensor, prefix: str) -> list[list[str]]:
+    """Linears of ``layer`` in the order they run, grouped by identical input tensor (q/k/v; gate/up)."""
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    order: list[tuple[str, torch.Tensor]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append((n, args[0]))) for n, m in linears.items()]
+    try:
+        run(layer, h)
+    finally:
+        for hd in handles:
+            hd.remove()
+    seen = [n for n, _ in order]
+    missing = [n for n in linears if n not in seen]
+    if missing or len(set(seen)) != len(seen):
+        raise EdgeqError(f"{prefix}*: Linear(s) {missing or sorted(set(n for n in seen if seen.count(n) > 1))} did not run exactly once per forward; GPTQ calibration cannot handle this layer")
+    groups: list[list[str]] = []
+    prev = None
+    for n, x in order:
+        if prev is not None and x is prev:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+        prev = x
+    return groups
+
+
+def _hessian_for(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, name: str) -> torch.Tensor:
+    acc = HessianAccumulator(linear.in_features, name)
+
+    def grab(mod, args):
+        acc.add(args[0])
+        raise _StopForward
+
+    handle = linear.register_forward_pre_hook(grab)
+    try:
+        for sl in _batches(h.shape[0], h.shape[1]):
+            try:
+                run(layer, h[sl])
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return acc.hessian()
+
+
+def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Tensor, scheme: Scheme, opts: dict, keep_w_hat: bool) -> GPTQResult:
+    """GPTQ one weight (read from the checkpoint) in row blocks under one factorisation of H."""
+    info = ckpt.tensors.get(tensor)
+    if info is None:
+        raise EdgeqError(f"{ckpt.root}: tensor {tensor} not found")
+    n, k = info.shape
+    prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=module_name)
+    step = max(64, (ROW_BLOCK_ELEMENTS // k) // 64 * 64)
+    parts = []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
+        parts.append(
+            gptq_quantize(
+                w, H, scheme.group_size, act_order=opts["act_order"], block_size=opts["block_size"],
+                static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat, prepared=prep,
+            )
+        )
+    return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+
+def _natural_w_hat(r: GPTQResult) -> torch.Tensor:
+    return r.w_hat if r.perm is None else r.w_hat[:, torch.argsort(r.perm)]
+
+
+def gptq_model(
+    model_dir: str | Path,
+    windows: torch.Tensor,
+    scheme: Scheme,
+    *,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = False,
+    block_size: int = 128,
+    keep: frozenset[str] | set[str] = frozenset(),
+    head_source: str | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    progress: Progress | None = None,
+    observe: Observer | None = None,
+) -> Iterator[tuple[str, GPTQResult]]:
+    """Yield ``(module_name, GPTQResult)`` for every decoder-layer Linear (execution order) and then ``lm_head``.
+
+    ``keep``: module names (e.g. ``model.layers.0.mlp.down_proj``) left in float (not yielded; later layers see their
+    float outputs). ``head_source``: the tensor the head is quantised from (default ``lm_head.weight`` if present,
+    else the embedding table). ``progress(done, total, label)`` is called after the embeddings (0), each layer and
+    the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for tests and diagnostics).
+    """
+    t0 = time.perf_counter()
+    root = Path(model_dir)
+    ckpt = open_checkpoint(root)
+    config, model = _build_skeleton(root, compute_dtype)
+    _check_windows(windows, config)
+    names = {id(m): n for n, m in model.named_modules()}
+    base = model.model
+    embed_name = names[id(base.embed_tokens)] + ".weight"
+    head_tensor = head_source or (f"{HEAD_MODULE}.weight" if f"{HEAD_MODULE}.weight" in ckpt.tensors else embed_name)
+    opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size}
+    s, t = windows.shape
+    run = _LayerRunner(model, config, t, compute_dtype)
+    total = len(base.layers) + 1
+    report = progress or (lambda done, total, label: None)
+
+    h = _embed(ckpt, embed_name, windows.long(), compute_dtype)
+    report(0, total, "embeddings")
+    for i, layer in enumerate(base.layers):
+        prefix = names[id(layer)] + "."
+        _read_into(ckpt, layer, prefix, compute_dtype)
+        linears = dict(layer.named_modules())
+        for group in _discover_groups(layer, run, h[_batches(s, t)[0]], prefix):
+            todo = [n for n in group if prefix + n not in keep]
+            if not todo:
+                continue
+            H = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0])
+            if observe:
+                observe(prefix + group[0], H)
+            for n in todo:
+                r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True)
+                with torch.no_grad():
+                    linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
+                yield prefix + n, replace(r, w_hat=None)
+            del H
+        out = torch.empty_like(h)
+        for sl in _batches(s, t):
+            out[sl] = run(layer, h[sl])
+        h = out
+        layer.to_empty(device="meta")  # release this layer's weights
+        report(i + 1, total, f"layer {i + 1}/{total - 1} ({time.perf_counter() - t0:.0f}s)")
+
+    norm = base.norm
+    _read_into(ckpt, norm, names[id(norm)] + ".", compute_dtype)
+    acc = HessianAccumulator(h.shape[-1], HEAD_MODULE)
+    with torch.no_grad():
+        for sl in _batches(s, t):
+            acc.add(norm(h[sl]))
+    del h
+    H = acc.hessian()
+    if observe:
+        observe(HEAD_MODULE, H)
+    yield HEAD_MODULE, _quantize_rows(ckpt, head_tensor, HEAD_MODULE, H, scheme, opts, keep_w_hat=False)
+    report(total, total, f"{HEAD_MODULE} ({time.perf_counter() - t0:.0f}s)")
