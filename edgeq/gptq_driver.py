@@ -65,7 +65,9 @@ def calibration_windows(model_dir: str | Path, text: str, nsamples: int = 128, s
     ids = Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids
     count = min(nsamples, len(ids) // seqlen)
     if count == 0:
-        raise EdgeqError(f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}; give a longer --calib file or a smaller --seqlen")
+        raise EdgeqError(
+            f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}; give a longer --calib file or a smaller --seqlen"
+        )
     return torch.tensor(ids[: count * seqlen], dtype=torch.int64).reshape(count, seqlen)
 
 
@@ -159,8 +161,12 @@ def _discover_groups(layer: nn.Module, run: _LayerRunner, h: torch.Tensor, prefi
             hd.remove()
     seen = [n for n, _ in order]
     missing = [n for n in linears if n not in seen]
-    if missing or len(set(seen)) != len(seen):
-        raise EdgeqError(f"{prefix}*: Linear(s) {missing or sorted(set(n for n in seen if seen.count(n) > 1))} did not run exactly once per forward; GPTQ calibration cannot handle this layer")
+    repeated = sorted({n for n in seen if seen.count(n) > 1})
+    if missing or repeated:
+        raise EdgeqError(
+            f"{prefix}*: Linear(s) {missing or repeated} did not run exactly once per forward; "
+            "GPTQ calibration cannot handle this layer (use --method rtn)"
+        )
     groups: list[list[str]] = []
     prev = None
     for n, x in order:
