@@ -99,13 +99,26 @@ def test_hessians_come_from_quantised_predecessors(run, windows):
         assert 2e-3 < rel(hessians[name], ref[name]) < 0.2, name
 
 
-def test_float_run_reproduces_the_model(windows):
+def test_float_run_reproduces_the_model(windows, monkeypatch):
     """With every decoder Linear kept in float, the head's Hessian is the float model's: the driver's own layer
-    plumbing (embedding rows, causal mask, rotary, norm) matches transformers' forward."""
+    plumbing (embedding rows, causal mask, rotary, norm) matches transformers' forward. And one layer at a time is
+    materialised: when a module is read, every module read before it is back on the meta device."""
+    import edgeq.gptq_driver as drv
+
+    read, real_read = [], drv._read_into
+
+    def read_into(ckpt, module, prefix, dtype):
+        for earlier in read:
+            assert all(p.is_meta for p in earlier.parameters()), f"{prefix}: an earlier layer is still materialised"
+        read.append(module)
+        real_read(ckpt, module, prefix, dtype)
+
+    monkeypatch.setattr(drv, "_read_into", read_into)
     hessians = {}
     results = list(gptq_model(MODEL, windows[:4], Scheme.parse("w4a16-g128"), keep=set(ALL),
                               observe=lambda n, h: hessians.__setitem__(n, h)))
     assert [n for n, _ in results] == ["lm_head"] and list(hessians) == ["lm_head"]
+    assert len(read) == 5  # four decoder layers, then the final norm
     assert rel(hessians["lm_head"], reference_hessians(windows[:4])["lm_head"]) < 1e-2
 
 
