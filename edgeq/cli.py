@@ -183,6 +183,20 @@ def repack(
     repack_command(model, output)
 
 
+@app.command()
+def demo(
+    scheme: str = typer.Option("w4a16-g128", "--scheme"),
+    method: Optional[str] = typer.Option(None, "--method"),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the quantised checkpoint in this directory."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Quantize, inspect, score and run the bundled trained model, offline, and print one summary."""
+    from edgeq.demo import render, run_demo
+
+    emit(run_demo(scheme, method, keep, max_tokens), as_json, lambda r: render(r, out))
+
+
 def _register_edges() -> None:
     """Commands whose modules define their own Typer signatures."""
     from edgeq.fidelity import fidelity_command
