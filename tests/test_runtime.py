@@ -328,3 +328,36 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects(text):
     with pytest.raises(EdgeqError, match="byte size"):
         parse_bytes(text)
+
+
+def _adjacent_layout(block_n: int) -> tinygemm.TinygemmLayout:
+    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple((s, tuple(range(s))) for s in range(16, block_n + 1, 16)))
+
+
+def _odd_layout() -> tinygemm.TinygemmLayout:  # a permutation neither "halves" nor "adjacent": the general unpack
+    return tinygemm.TinygemmLayout(block_n=32, perms=((16, tuple(range(16))), (32, tuple(reversed(range(32))))))
+
+
+@pytest.mark.parametrize("layout_fn", [tinygemm.probe, avx2_like_layout, lambda: _adjacent_layout(32), _odd_layout],
+                         ids=["here", "avx2-halves", "adjacent", "general"])
+def test_prefill_dequant_is_exact_for_every_layout_kind(layout_fn):
+    from edgeq.runtime.qlinear import Int4Linear, Runtime, scratch_for
+
+    layout = layout_fn()
+    gen = torch.Generator().manual_seed(3)
+    n, k, g = 3 * layout.block_n + 16, 256, 64  # full blocks and a 16-row tail
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sz = (torch.randn(k // g, n, 2, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    rt = Runtime(layout=layout, prefill_threshold=1)
+    lin = Int4Linear("t", tinygemm.pack(q, layout), sz, g, bias, rt)
+    lin._rows = lin._rows if layout.block_n == 64 else 64  # several row blocks, so the scratch is reused
+    from edgeq.runtime.qlinear import _ranges, _nibble_order
+    lin._ranges = _ranges(n, lin._rows, layout.block_n if _nibble_order(layout) else None)
+    rt.scratch = scratch_for([lin])
+    w = tinygemm.dequantize(q, sz, g, torch.bfloat16)
+    got = torch.cat([lin.dequantize_rows_t(a, b, rt.scratch).t().clone() for a, b in lin._ranges])  # one shared scratch
+    assert torch.equal(got, w)  # bit for bit the reference dequantisation
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    assert rel_err(lin(x), torch.nn.functional.linear(x, w, bias)) <= PREFILL_TOL
+    assert rt.counts["dequant_prefill"] == 1

@@ -5,7 +5,7 @@
 - prefill (M >= crossover): the weight is dequantised a row block at a time into a bf16 scratch buffer shared by
   every layer of the model, and each block goes through a bf16 GEMM. No second copy of any weight persists.
 
-Dequantisation (the same numbers as ``tinygemm.dequantize``, fp32 arithmetic then one rounding to bf16)::
+Dequantisation (the same numbers as ``tinygemm.dequantize``: fp32 arithmetic, one rounding to bf16)::
 
     w[n, k] = (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]
 
@@ -13,7 +13,9 @@ For the fast path the packed bytes of ``c`` full row blocks of ``s`` rows are vi
 k-major within a block): the low nibbles hold the rows ``perm[0::2]``, the high nibbles ``perm[1::2]``. When the
 measured permutation is "halves" (``perm = [0, s/2, 1, s/2+1, ...]``, AVX512/AVX2 full blocks) or "adjacent"
 (``perm = [0, 1, 2, ...]``) the nibbles land in row order with two strided writes, so the block is produced directly
-as W^T ``[K, rows]`` and multiplied as ``x @ W^T``. Any other permutation and tail blocks go through
+as W^T ``[K, rows]``, then ``addcmul(zero, q - 8, scale)`` in place (bf16 storage, fp32 arithmetic) and the GEMM
+``x @ W^T``. Five elementwise passes per block, few enough that the path stays ahead of the kernel even when the
+cores are shared. Any other permutation and tail blocks go through
 ``tinygemm.unpack`` (exact, slower). Worked example (AVX512, s = 64): byte 0 of a block is ``q[0, 0] | q[32, 0] << 4``,
 so the fast path writes ``q[0, 0]`` to W^T[0, 0] and ``q[32, 0]`` to W^T[0, 32].
 """
@@ -30,7 +32,7 @@ from torch import nn
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 
-SCRATCH_TARGET_ELEMS = 1 << 21  # ~2M weights per block: 4 MiB bf16 + 8 MiB fp32 + 2 MiB uint8 of scratch
+SCRATCH_TARGET_ELEMS = 1 << 22  # ~4M weights per block: 8 MiB bf16 + 4 MiB uint8 of scratch
 
 
 def _native():
@@ -49,19 +51,18 @@ class Scratch:
     """One set of reusable buffers for the prefill path, shared by all quantised layers of a model.
 
     Sized at load to the largest block any layer asks for (never more than that layer's whole weight), so the
-    bound is ``max over layers of min(N, rows_per_block) * K`` elements times 7 bytes (bf16 + fp32 + uint8).
+    bound is ``max over layers of min(N, rows_per_block) * K`` elements times 3 bytes (bf16 + uint8 staging).
     """
 
     def __init__(self, elems: int):
         self.elems = elems
         self.bf16 = torch.empty(elems, dtype=torch.bfloat16)
-        self.f32 = torch.empty(elems, dtype=torch.float32)
         self.u8 = torch.empty(elems, dtype=torch.uint8)
         self.lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return self.elems * 7
+        return self.elems * 3
 
 
 @dataclass
@@ -83,6 +84,13 @@ def rows_per_block(n: int, k: int, block_n: int) -> int:
     """Rows dequantised at a time: about SCRATCH_TARGET_ELEMS weights, a whole number of layout blocks, <= N."""
     rows = max(block_n, (SCRATCH_TARGET_ELEMS // max(k, 1)) // block_n * block_n)
     return min(rows, n)
+
+
+def _ranges(n: int, rows: int, block_n: int | None) -> list[tuple[int, int]]:
+    """Row ranges of at most ``rows`` rows covering [0, n); the tail block (n % block_n rows) is a range of its own."""
+    full = n // block_n * block_n if block_n else n
+    out = [(a, min(full, a + rows)) for a in range(0, full, rows)]
+    return out + ([(full, n)] if full < n else [])
 
 
 def _nibble_order(layout: TinygemmLayout) -> str | None:
@@ -114,6 +122,7 @@ class Int4Linear(nn.Module):
         self.runtime = runtime
         self._order = _nibble_order(runtime.layout)
         self._rows = rows_per_block(self.out_features, self.in_features, runtime.layout.block_n)
+        self._ranges = _ranges(self.out_features, self._rows, runtime.layout.block_n if self._order else None)
 
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, int4 tinygemm"
@@ -152,33 +161,31 @@ class Int4Linear(nn.Module):
         n = self.out_features
         out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
         with scratch.lock:
-            for a in range(0, n, self._rows):
-                b = min(n, a + self._rows)
+            for a, b in self._ranges:
                 wt = self.dequantize_rows_t(a, b, scratch)
                 bias = self.bias[a:b] if self.bias is not None else None
-                if b - a == n:
-                    torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias, x2, wt, out=out)
-                else:
+                if b - a < n:
                     out[:, a:b] = x2 @ wt if bias is None else torch.addmm(bias, x2, wt)
+                elif bias is None:
+                    torch.mm(x2, wt, out=out)
+                else:
+                    torch.addmm(bias, x2, wt, out=out)
         return out
 
     def dequantize_rows_t(self, a: int, b: int, scratch: Scratch) -> torch.Tensor:
-        """W[a:b].T as bf16 [K, b - a], a view of ``scratch.bf16``. ``a`` is on a layout block boundary."""
-        k, g, s = self.in_features, self.group_size, self.runtime.layout.block_n
-        rows = b - a
-        full = (min(b, self.out_features // s * s) - a) // s if self._order else 0
-        full = max(full, 0)
-        wt = scratch.bf16[: k * rows].view(k, rows)
-        if full:
-            self._fast_blocks(a, full, scratch, wt[:, : full * s])
-        if full * s < rows:  # tail block(s) or an unmodelled permutation: the exact general unpack
-            lo = a + full * s
-            q = tinygemm.unpack(self.qweight, self.out_features, k, self.runtime.layout, rows=(lo, b))
-            w = tinygemm.dequantize(q, self.scales_and_zeros[:, lo:b], g, torch.bfloat16)
-            wt[:, full * s :].copy_(w.t())
+        """W[a:b].T as bf16 [K, b - a], a view of ``scratch.bf16``; (a, b) is one of ``self._ranges``."""
+        k, s = self.in_features, self.runtime.layout.block_n
+        wt = scratch.bf16[: k * (b - a)].view(k, b - a)
+        if self._order and b <= self.out_features // s * s:
+            self._fast_blocks(a, (b - a) // s, scratch, wt)
+        else:  # the tail block, or an unmodelled permutation: the exact general unpack
+            q = tinygemm.unpack(self.qweight, self.out_features, k, self.runtime.layout, rows=(a, b))
+            wt.copy_(tinygemm.dequantize(q, self.scales_and_zeros[:, a:b], self.group_size, torch.bfloat16).t())
         return wt
 
     def _fast_blocks(self, a: int, c: int, scratch: Scratch, out_t: torch.Tensor) -> None:
+        """Five passes: low nibbles, high nibbles (into W^T order), -8 in int8, int8 -> bf16, then
+        ``addcmul(zero, q - 8, scale)`` (computed in fp32 and rounded once to bf16: equal to tinygemm.dequantize)."""
         k, g, s = self.in_features, self.group_size, self.runtime.layout.block_n
         rows = c * s
         packed = self.qweight.view(-1)[a * k // 2 : (a + rows) * k // 2].view(c, k, s // 2).permute(1, 0, 2)
@@ -191,11 +198,11 @@ class Int4Linear(nn.Module):
             qv = q.view(k, c, s // 2, 2)
             torch.bitwise_and(packed, 15, out=qv[..., 0])
             torch.bitwise_right_shift(packed, 4, out=qv[..., 1])
-        f = scratch.f32[: k * rows].view(k // g, g, rows)
-        f.copy_(q.view(k // g, g, rows))
-        sz = self.scales_and_zeros[:, a : a + rows].to(torch.float32)
-        f.sub_(8.0).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
-        out_t.copy_(f.view(k, rows))
+        q.view(torch.int8).sub_(8)
+        out_t.copy_(q.view(torch.int8).view(k, rows))
+        w = out_t.view(k // g, g, rows)
+        sz = self.scales_and_zeros[:, a : a + rows]
+        torch.addcmul(sz[:, None, :, 1], w, sz[:, None, :, 0], out=w)
 
 
 def scratch_for(modules: list[Int4Linear]) -> Scratch:
