@@ -30,6 +30,10 @@ struct Int4Args {
   int64_t M, N, K, G;
 };
 
+// Software prefetch distance for the weight stream, in bytes (measured: 4-16 KB all ~1.4x better than none at M=1 on
+// DRAM-resident weights; the hardware prefetcher alone leaves the vector units waiting).
+constexpr int64_t kPrefetchBytes = 8192;
+
 // Compute rows [row0, row0 + s) of y for all M. ys: fp32 scratch of at least M * 64 floats, acc: another M * 64.
 // The SIMD routines return false when they have no fast path for (s, mode); the caller then uses the scalar one.
 void block_scalar(const Int4Args& a, int64_t row0, int s, int mode, float* ys, float* acc);

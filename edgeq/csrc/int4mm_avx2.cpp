@@ -28,6 +28,7 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
     for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < G; ++k) {
     const uint8_t* p = wg + k * (S / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
     const __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(d0, m15));
@@ -43,6 +44,8 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
     }
   }
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+  if (u == 0 && m0 == 0)  // this group's scales of the next block (strided: the hardware prefetcher misses them)
+    for (int i = 0; i < S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
   for (int i = 0; i < 4; ++i) {
     const int r = (i / 2) * (S / 2) + 16 * u + 8 * (i % 2);
     const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * r));

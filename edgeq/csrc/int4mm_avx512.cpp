@@ -50,6 +50,7 @@ inline void group_dot(const uint8_t* wg, const uint16_t* x, int64_t ldx, int64_t
       for (int v = 0; v < NV; ++v) part[u][m][v][0] = part[u][m][v][1] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < G; kk += 2 * U) {
     for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + (kk + 2 * u) * (S / 2) + kPrefetchBytes), _MM_HINT_T0);
       const __m512i r = load_pair<S>(wg + (kk + 2 * u) * (S / 2));
       for (int v = 0; v < NV; ++v) {
         const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
@@ -81,6 +82,8 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const 
   __m512 acc[MT][NV][2];
   group_dot<S, MT, NV, U>(a.qw + row0 * (K / 2) + g * G * (S / 2), a.x + m0 * K + g * G, K, G, idx + v0, acc);
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+  if (v0 == 0 && m0 == 0)  // this group's scales of the next block (strided by N: the hardware prefetcher misses them)
+    for (int i = 0; i < S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < 2; ++h) {
       const int r = h * (S / 2) + 16 * (v0 + v);
