@@ -7,9 +7,10 @@ Two synthetic checkpoints whose files are only headers plus ``ftruncate`` (spars
 - ``edgeq``: what ``edgeq quantize`` writes for a ~10 GB output (hidden 6144, intermediate 16384, 48 layers, vocab
   152064), with the manifest written by the converter's own code from the plan.
 
-Reported (median of 5 in-process calls after a warm-up, spread shown; and the whole command in a subprocess, median
-of 3, which adds Python and torch start-up): wall time, and the bytes the inspecting process read (``rchar`` from
-/proc/self/io: everything read() returned, headers included) against the tensor bytes in the files.
+Reported: the first call in a fresh process (layout probe included), the median of 5 warm in-process calls
+(spread shown), the whole ``python -m edgeq.cli inspect`` command (median of 3, wall and CPU seconds: Python and
+torch start-up included), and the bytes the inspecting process read (``rchar`` from /proc/self/io: everything
+read() returned) against the tensor bytes in the files.
 
     python benchmarks/bench_inspect.py [--keep DIR]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -116,11 +118,6 @@ print(json.dumps({"seconds": seconds, "problems": len(r.problems), "tensors": r.
                   "rchar_first": io1["rchar"] - io0["rchar"],
                   **{k: io2[k] - io1[k] for k in ("rchar", "read_bytes", "syscr")}}))
 """
-CLI = ("from edgeq.cli import app, main\nfrom edgeq.report import inspect_command\n"
-       "if not any(c.name == 'inspect' for c in app.registered_commands):\n"
-       "    app.command('inspect')(inspect_command)\nmain()\n")
-
-
 def _median(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1000:8.1f} ms (min {min(xs) * 1000:.1f}, max {max(xs) * 1000:.1f})"
 
@@ -142,12 +139,14 @@ def bench(path: Path) -> dict:
         t0 = time.perf_counter()
         inspect_checkpoint(path, tensors=True)
         tens.append(time.perf_counter() - t0)
-    whole = []
+    whole, cpu = [], []
     for _ in range(3):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", CLI, "inspect", str(path)], capture_output=True, check=True)
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-m", "edgeq.cli", "inspect", str(path)], capture_output=True, check=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         whole.append(time.perf_counter() - t0)
-    return {"files": files, "data": data, "cold": cold, "warm": warm, "tensors": tens, "whole": whole}
+        cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    return {"files": files, "data": data, "cold": cold, "warm": warm, "tensors": tens, "whole": whole, "cpu": cpu}
 
 
 def main() -> None:
@@ -166,7 +165,8 @@ def main() -> None:
         print(f"  first call in a fresh process (incl. layout probe) {c['seconds'] * 1000:8.1f} ms")
         print(f"  warm call, median of 5                           {_median(r['warm'])}")
         print(f"  warm call with --tensors, median of 3            {_median(r['tensors'])}")
-        print(f"  whole command in a subprocess, median of 3       {_median(r['whole'])}  (Python + torch start-up included)")
+        print(f"  `python -m edgeq.cli inspect`, median of 3       {_median(r['whole'])}  wall, "
+              f"{statistics.median(r['cpu']):.2f} s CPU (Python + torch start-up included)")
         print(f"  read by an inspecting call: rchar {c['rchar']:,} bytes in {c['syscr']} read() calls, disk "
               f"read_bytes {c['read_bytes']:,}; tensor data in the files {r['data']:,} bytes "
               f"({c['rchar'] / r['data'] * 100:.5f}%); the first call, lazy imports included: {c['rchar_first']:,}")

@@ -20,8 +20,8 @@ behave differently:
 
       ``max_model_len`` defaults to ``min(budget_tokens, max_position_embeddings)``, as the runtime's does;
     - the prefill scratch, shared by all quantised layers: the largest row block any of them dequantises,
-      ``max over modules of rows_per_block(N, K, block_n) * K`` elements, 7 bytes each (bf16 + fp32 + uint8
-      buffers). ``rows_per_block`` is the runtime's own function (about 2M weights, whole layout blocks, at most N).
+      ``max over modules of rows_per_block(N, K, block_n) * K`` elements, 3 bytes each (a bf16 and a uint8
+      buffer). ``rows_per_block`` is the runtime's rule: about 4M weights, whole layout blocks, at most N.
 
 ``total = mapped + anonymous``. Not included: the interpreter, torch's and the tokenizer's own allocations, and
 activations, which the benchmark reports as the measured remainder.
@@ -29,7 +29,10 @@ activations, which the benchmark reports as the measured remainder.
 Worked example, the bundled tiny-prose model quantised w4a16-g128 (4 layers, 2 KV heads, head_dim 64, all tensors
 bf16) at ``max_model_len=1024`` and a 256 MiB budget: ``bytes_per_token = 2 * 4 * 2 * 64 * 2 = 2048``,
 ``budget_tokens = 131072``, ``kv_tokens = 1024``, ``kv_bytes = 2 MiB``; the largest block is the head's
-(N = 4096 <= rows_per_block, K = 256): ``4096 * 256 * 7 = 7 MiB`` of scratch; mapped = all 4,329,984 tensor bytes.
+(N = 4096 <= rows_per_block, K = 256): ``4096 * 256 * 3 = 3 MiB`` of scratch; mapped = all 4,329,984 tensor bytes.
+
+The constants below mirror edgeq/runtime/qlinear.py; tests/test_inspect.py pins them equal and compares the whole
+projection with what ``edgeq.runtime.load`` reports it allocated.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from edgeq.errors import EdgeqError
 
 BF16_BYTES = 2
 DEFAULT_KV_CACHE_BYTES = 256 << 20
-SCRATCH_BYTES_PER_ELEM = 7  # edgeq.runtime.qlinear.Scratch: bf16 + fp32 + uint8 buffers of the same length
-SCRATCH_TARGET_ELEMS = 1 << 21  # edgeq.runtime.qlinear.SCRATCH_TARGET_ELEMS: ~2M weights per dequantised block
+SCRATCH_BYTES_PER_ELEM = 3  # edgeq.runtime.qlinear.Scratch: a bf16 and a uint8 buffer of the same length
+SCRATCH_TARGET_ELEMS = 1 << 22  # edgeq.runtime.qlinear.SCRATCH_TARGET_ELEMS: ~4M weights per dequantised block
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -33,7 +33,7 @@ from edgeq.checkpoint.manifest import MANIFEST, Manifest, read_manifest
 from edgeq.checkpoint.plan import HEAD_MODULE, Plan, _role as plan_role, build_plan, effective_bits
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.safetensors_io import FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
+from edgeq.checkpoint.safetensors_io import DTYPES, FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
 from edgeq.errors import EdgeqError, ThresholdError
 from edgeq.layouts import tinygemm
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch
@@ -313,8 +313,6 @@ def _edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list
 
 
 def _itemsize(code: str) -> int:
-    from edgeq.checkpoint.safetensors_io import DTYPES
-
     return DTYPES[code][1]
 
 
@@ -823,6 +821,8 @@ def inspect_checkpoint(
         if plan is not None:
             memory = _plan_memory(plan, geometry, kv_cache_bytes, max_model_len)
             basis = f"after `edgeq quantize --scheme {plan.scheme}` (recipe {rec.name}'s default)"
+        else:
+            basis = "not projected: edgeq cannot plan a conversion of this checkpoint (see problems)"
     else:
         q = ckpt.quantization_config or {"quant_method": "unknown (tensors look quantised, config has no "
                                                          "quantization_config)"}

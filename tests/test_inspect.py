@@ -4,11 +4,9 @@ the no-data-read property, bad input, the JSON schema, and a hypothesis fuzz of 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -32,7 +30,6 @@ from edgeq.report import inspect_checkpoint, inspect_command, render
 from edgeq.scheme import Scheme
 
 TINY_PROSE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
-REPO = TINY_PROSE.parent.parent.parent
 
 # tiny-prose: Llama, 4 layers, hidden 256, intermediate 768, 4 heads (head_dim 64), 2 KV heads, vocab 4096, tied.
 TP_LAYER_MODULES = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
@@ -90,9 +87,9 @@ def test_memory_projection_by_hand(edgeq_ckpt):
     assert (m.kv_tokens, m.kv_bytes) == (512, 512 * 2048)
     # every tensor is bf16 or packed: all used in place from the mapping, nothing copied
     assert (m.mapped_weights, m.anon_weights) == (4329984, 0) and m.mapped_weights == r.files["tensor_bytes"]
-    # scratch: the largest row block, the head's 4096 rows (fewer than ~2M / K = 8192) x K = 256, at 7 bytes
-    assert (m.prefill_scratch_tensor, m.prefill_scratch) == ("lm_head", 4096 * 256 * 7)
-    assert m.anon_total == 512 * 2048 + 4096 * 256 * 7 and m.total == 4329984 + m.anon_total and m.problems == ()
+    # scratch: the largest row block, the head's 4096 rows (fewer than ~4M / K = 16384) x K = 256, at 3 bytes
+    assert (m.prefill_scratch_tensor, m.prefill_scratch) == ("lm_head", 4096 * 256 * 3)
+    assert m.anon_total == 512 * 2048 + 4096 * 256 * 3 and m.total == 4329984 + m.anon_total and m.problems == ()
     # defaults as the runtime's: min(model maximum, budget tokens)
     d = inspect_checkpoint(edgeq_ckpt).memory
     assert (d.max_model_len, d.kv_tokens, d.kv_cache_bytes) == (1024, 1024, 256 << 20)
@@ -116,8 +113,10 @@ def test_memory_formula_worked_example():
     assert kv_geometry({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 128}).bytes_per_token == 2 * 2 * 4 * 32 * 2
     with pytest.raises(EdgeqError, match="cannot size the KV cache"):
         kv_geometry({"hidden_size": 128})
-    # scratch: rows_per_block (~2M weights, whole 64-row blocks, at most N) * K * 7 bytes
-    assert scratch([("small", 256, 768), ("big", 14336, 4096), ("head", 151936, 1536)], 64) == ("big", 512 * 4096 * 7)  # 512 rows * 4096 > 1344 rows * 1536
+    # scratch: rows_per_block (~4M weights, whole 64-row blocks, at most N) * K * 3 bytes
+    assert rows_per_block(14336, 4096, 64) == 1024 and rows_per_block(151936, 1536, 64) == 2688
+    assert rows_per_block(256, 768, 64) == 256 and rows_per_block(4096, 1 << 20, 64) == 64
+    assert scratch([("small", 256, 768), ("big", 14336, 4096), ("head", 151936, 1536)], 64) == ("big", 1024 * 4096 * 3)
     from edgeq.runtime import qlinear
 
     assert qlinear.Scratch(10).nbytes == 10 * SCRATCH_BYTES_PER_ELEM
