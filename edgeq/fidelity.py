@@ -431,9 +431,13 @@ def _is_quantized(module: torch.nn.Module) -> bool:
     return getattr(type(module), "edgeq_quantized", False) is True
 
 
-def _vocab_size(config: Any) -> Optional[int]:
-    v = config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
-    return int(v) if isinstance(v, int) else None
+def _config_int(config: Any, key: str) -> Optional[int]:
+    v = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _from_configs(obj: Any, module: Any, key: str) -> Optional[int]:
+    return _config_int(getattr(obj, "config", None), key) or _config_int(getattr(module, "config", None), key)
 
 
 class _Side:
@@ -451,13 +455,19 @@ class _Side:
             raise EdgeqError(f"{label}: expected a model (nn.Module, an object with .model) or a scoring function, "
                              f"got {type(obj).__name__}")
         self.tokenizer = tokenizer
-        self.vocab_size = _vocab_size(getattr(obj, "config", None)) or _vocab_size(getattr(self.module, "config", None))
+        self.vocab_size = _from_configs(obj, self.module, "vocab_size")
+        self.max_positions = _from_configs(obj, self.module, "max_position_embeddings")
         self._fn = obj if self.module is None else None
         if self.module is not None:
             self.module.eval()  # dropout would make a model differ from itself
             params = inspect.signature(self.module.forward).parameters
             self._kwargs = {k: v for k, v in (("use_cache", False),) if k in params}
             self._keep = "logits_to_keep" in params
+
+    def check_ctx(self, ctx: int) -> None:
+        if self.max_positions is not None and ctx > self.max_positions:
+            raise EdgeqError(f"--ctx {ctx}: the {self.label} model has max_position_embeddings {self.max_positions}; "
+                             f"use --ctx {self.max_positions} or less")
 
     def logits(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
         """float32 logits [T', V] of window ``ids`` [1, T], aligned to the window's end (T' >= ``keep``)."""
@@ -623,6 +633,7 @@ class ReferenceFile:
     header: dict
     windows: torch.Tensor
     rows: RefRows
+    path: str = "--ref"
 
     @property
     def counts(self) -> list[int]:
@@ -732,6 +743,8 @@ def compare(ref: Any, quant: Any, *, text: Optional[str] = None, input_ids: Opti
         raise EdgeqError(f"--ref-topk {ref_topk}: must be at least 1 (use {DEFAULT_REF_TOPK})")
     r, q = _Side(ref, "reference", tokenizer), _Side(quant, "quantised", tokenizer)
     check_same_vocabulary(r, q)
+    r.check_ctx(ctx)
+    q.check_ctx(ctx)
     ids, bos, text_sha = _resolve_ids(text, input_ids, (r, q), tokenizer)
     windows = make_windows(ids, ctx, bos)
     counts = plan_counts(windows.shape[0], win.per_window, max_tokens)
@@ -807,7 +820,8 @@ def load_reference_file(path: str | os.PathLike) -> ReferenceFile:
     for n, shape in want.items():
         if tuple(tensors[n].shape) != shape:
             raise EdgeqError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, the header says {shape}; {fix}")
-    ref = ReferenceFile(header, tensors["input_ids"].long(), RefRows(*(tensors[f.name] for f in fields(RefRows))))
+    ref = ReferenceFile(header, tensors["input_ids"].long(), RefRows(*(tensors[f.name] for f in fields(RefRows))),
+                        str(path))
     if sum(ref.counts) != P:
         raise EdgeqError(f"{path}: {P} positions do not fit {W} windows of ctx {ctx} ({header['score']}); {fix}")
     return ref
@@ -823,12 +837,13 @@ def compare_to_reference_file(ref_file: str | os.PathLike | ReferenceFile, quant
     report's ``kld_topk_bound`` bounds the mean's shortfall); everything else is exact.
     """
     ref = ref_file if isinstance(ref_file, ReferenceFile) else load_reference_file(ref_file)
-    h, name = ref.header, (ref_file if not isinstance(ref_file, ReferenceFile) else "--ref")
+    h, name = ref.header, ref.path
     for opt, mine, theirs in (("--ctx", ctx, h["ctx"]), ("--score", score, h["score"])):
         if mine is not None and mine != theirs:
             raise EdgeqError(f"{name}: made with {opt} {theirs}, asked for {opt} {mine}; drop {opt} or re-create "
                              f"the reference file")
     q = _Side(quant, "quantised", tokenizer)
+    q.check_ctx(h["ctx"])
     if q.vocab_size is not None and q.vocab_size != h["vocab_size"]:
         raise EdgeqError(f"vocab size differs: the reference file was made with {h['vocab_size']}, the quantised "
                          f"model has {q.vocab_size}; use a reference file of the same model")
@@ -839,6 +854,8 @@ def compare_to_reference_file(ref_file: str | os.PathLike | ReferenceFile, quant
                              f"quantised model's is {mine_sha[:12]}); use a reference file of the same model")
     if text is not None:
         sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if h["text_sha256"] is None:
+            raise EdgeqError(f"{name}: made from token ids, not from a text; drop --text (the file holds the tokens)")
         if sha != h["text_sha256"]:
             raise EdgeqError(f"{name}: made from another text (sha256 {str(h['text_sha256'])[:12]}, --text has "
                              f"{sha[:12]}); pass the same --text or re-create the reference file")
@@ -863,6 +880,7 @@ def save_reference_file(ref: Any, path: str | os.PathLike, *, text: Optional[str
     if k < 1:
         raise EdgeqError(f"--ref-topk {k}: must be at least 1 (use {DEFAULT_REF_TOPK})")
     r = _Side(ref, "reference", tokenizer)
+    r.check_ctx(ctx)
     ids, bos, text_sha = _resolve_ids(text, input_ids, (r,), tokenizer)
     windows = make_windows(ids, ctx, bos)
     counts = plan_counts(windows.shape[0], win.per_window, max_tokens)
@@ -880,7 +898,9 @@ def save_reference_file(ref: Any, path: str | os.PathLike, *, text: Optional[str
 def _default_load(path: str | os.PathLike) -> Any:
     from edgeq.runtime import load  # the runtime is heavy and optional for the pure statistics above
 
-    return load(path)
+    # Scoring runs whole windows without the KV cache; 16 MiB is above any model's bytes per token, far below the
+    # 256 MiB default that would otherwise sit unused twice.
+    return load(path, kv_cache_bytes=16 << 20)
 
 
 def run_fidelity(ref: Optional[str | os.PathLike], quant: Optional[str | os.PathLike], *,

@@ -298,6 +298,12 @@ def test_refuses_different_vocab_size():
         F.compare(a, b, text=make_text(100), ctx=32)
 
 
+def test_refuses_ctx_beyond_the_models_positions():
+    a = SimpleNamespace(model=TinyLM(), tokenizer=FakeTokenizer(WORDS), config={"max_position_embeddings": 16})
+    with pytest.raises(EdgeqError, match="--ctx 32: the reference model has max_position_embeddings 16; use --ctx 16"):
+        F.compare(a, side(TinyLM()), text=make_text(100), ctx=32)
+
+
 def test_refuses_different_logit_width():
     small = lambda ids: torch.zeros(1, ids.shape[1], V)
     wide = lambda ids: torch.zeros(1, ids.shape[1], V + 1)
@@ -464,7 +470,7 @@ def test_mismatched_ref_file_is_refused(tmp_path):
     text = make_text(300)
     path = tmp_path / "ref.safetensors"
     F.save_reference_file(side(TinyLM()), path, text=text, ctx=32)
-    with pytest.raises(EdgeqError, match="made from another text"):
+    with pytest.raises(EdgeqError, match=f"{path}: made from another text"):
         F.compare_to_reference_file(path, side(TinyLM()), text=make_text(300, seed=1))
     with pytest.raises(EdgeqError, match="made with --ctx 32, asked for --ctx 64"):
         F.compare_to_reference_file(path, side(TinyLM()), ctx=64)
