@@ -221,7 +221,7 @@ print(json.dumps({{"before": before, "loaded": loaded, "after": after, "kv": lm.
 
 
 def test_packed_bytes_are_mapped_not_copied(tmp_path):
-    sizes = synthetic_checkpoint(tmp_path / "syn")  # ~108 MB packed, 32 MB of bf16 embeddings
+    sizes = synthetic_checkpoint(tmp_path / "syn")  # ~106 MB packed with scales, 34 MB of bf16 embedding
     kv = 16 << 20
     code = _MEMORY_CHILD.format(tests=str(ROOT / "tests"), path=str(tmp_path / "syn"), kv=kv)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
