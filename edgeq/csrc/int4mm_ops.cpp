@@ -1,10 +1,11 @@
 // Torch binding of the edgeq native W4A16 kernel: argument checks, CPU feature query, threading over row blocks.
 //
 //   torch.ops.edgeq.int4_mm(x bf16 [M, K], qweight uint8 [N, K/2], group_size, scales_and_zeros bf16 [K/G, N, 2],
-//                           block_n, full_mode, tail_mode, isa) -> bf16 [M, N]
+//                           block_n, full_mode, tail_modes, isa) -> bf16 [M, N]
 //
 // isa: 0 scalar, 1 avx2, 2 avx512 (the Python side chooses it from cpu_features() and EDGEQ_NATIVE_ISA).
-// Rows are cut into blocks of block_n rows (mode full_mode) and one tail block of N % block_n rows (tail_mode);
+// Rows are cut into blocks of block_n rows (mode full_mode) and one tail block of s = N % block_n rows, whose mode is
+// bit s/16 of tail_modes (modes: 0 halves, 1 adjacent; see int4mm.h);
 // threads take contiguous runs of blocks, so each thread streams one contiguous range of qweight, once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +32,7 @@ int64_t cpu_features() {
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
-                   const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_mode,
+                   const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_modes,
                    int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "x: expected bf16 [M, K], got ", x.scalar_type(), " ", x.sizes());
@@ -50,7 +51,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
                   scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
               "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
               scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
-  TORCH_CHECK((full_mode == 0 || full_mode == 1) && (tail_mode == 0 || tail_mode == 1), "block modes must be 0 or 1");
+  TORCH_CHECK(full_mode == 0 || full_mode == 1, "full_mode must be 0 (halves) or 1 (adjacent)");
   TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (scalar), 1 (avx2) or 2 (avx512)");
   TORCH_CHECK(isa == 0 || (cpu_features() & (isa == 1 ? 1 : 2)), "this CPU lacks the instructions of isa ", isa);
 
@@ -79,6 +80,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              M, N, K, group_size};
   const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
+  const int64_t tail_mode = (tail_modes >> (tail / 16)) & 1;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(2 * M * 64);
     for (int64_t b = b0; b < b1; ++b) {
@@ -98,7 +100,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
 
 TORCH_LIBRARY(edgeq, m) {
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, int block_n, int full_mode, "
-        "int tail_mode, int isa) -> Tensor");
+        "int tail_modes, int isa) -> Tensor");
   m.def("cpu_features() -> int", &cpu_features);
 }
 

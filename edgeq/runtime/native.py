@@ -71,6 +71,7 @@ class _State:
     cpu_isas: tuple[str, ...] = ()
     forced: str | None = None
     plans: dict = field(default_factory=dict)
+    default_args: tuple | None = None  # (block_n, full_mode, tail_modes, isa code) for layout=None, isa=None
 
 
 _lock = threading.Lock()
@@ -220,6 +221,12 @@ class Plan:
     block_n: int
     modes: dict  # rows in block -> HALVES | ADJACENT
 
+    @property
+    def kernel_args(self) -> tuple[int, int, int]:
+        """(block_n, full-block mode, tail modes as a bitmask: bit s/16 set = the s-row tail is ADJACENT)."""
+        tails = sum(1 << (s // 16) for s, m in self.modes.items() if s != self.block_n and m == ADJACENT)
+        return self.block_n, self.modes[self.block_n], tails
+
 
 def plan(layout: tinygemm.TinygemmLayout) -> Plan | None:
     """The kernel's reading of ``layout``, or None when the layout is not one the kernel implements.
@@ -261,6 +268,22 @@ def _plan_for(st: _State, layout: tinygemm.TinygemmLayout | None) -> Plan:
     return entry[1]
 
 
+def _kernel_args(st: _State, layout, isa) -> tuple[int, int, int, int]:
+    if layout is None and isa is None:
+        if st.default_args is None:
+            st.default_args = _plan_for(st, None).kernel_args + (_isa_code(st, None),)
+        return st.default_args
+    return _plan_for(st, layout).kernel_args + (_isa_code(st, isa),)
+
+
+def _isa_code(st: _State, isa: str | None) -> int:
+    if isa is None:
+        return _ISA_CODE[st.isa]
+    if isa not in st.cpu_isas:
+        raise EdgeqError(f"native int4_mm: isa {isa!r} is not one this CPU runs ({', '.join(st.cpu_isas)})")
+    return _ISA_CODE[isa]
+
+
 def int4_mm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -280,19 +303,17 @@ def int4_mm(
     st = _state or _load()
     if not st.available:
         raise EdgeqError(f"native int4_mm is not available: {st.reason}")
-    p = _plan_for(st, layout)
-    if isa is None:
-        code = _ISA_CODE[st.isa]
-    elif isa in st.cpu_isas:
-        code = _ISA_CODE[isa]
-    else:
-        raise EdgeqError(f"native int4_mm: isa {isa!r} is not one this CPU runs ({', '.join(st.cpu_isas)})")
-    n = qweight.shape[0] if qweight.dim() >= 1 else 0
-    full = p.modes[p.block_n]
-    tail = p.modes.get(n % p.block_n, HALVES)
+    args = _kernel_args(st, layout, isa)
     try:
-        y = torch.ops.edgeq.int4_mm(x, qweight, group_size, scales_and_zeros, p.block_n, full, tail, code)
+        y = _op(x, qweight, group_size, scales_and_zeros, *args)
     except RuntimeError as e:
         raise EdgeqError(f"native int4_mm: {str(e).splitlines()[0]}") from e
     _calls += 1
     return y
+
+
+def _op(*args):
+    """torch.ops.edgeq.int4_mm.default, looked up once (the OpOverload call is the cheapest way in)."""
+    global _op
+    _op = torch.ops.edgeq.int4_mm.default
+    return _op(*args)
