@@ -73,6 +73,7 @@ def test_calibration_windows():
         calibration_windows(MODEL, "a short text", nsamples=1, seqlen=4096)
 
 
+@pytest.mark.slow
 def test_yields_every_linear_then_the_head(run):
     results, calls, hessians = run
     assert [n for n, _ in results] == ALL + ["lm_head"]
@@ -94,6 +95,7 @@ def test_yields_every_linear_then_the_head(run):
         assert torch.equal(res[p + "mlp.gate_proj"].perm, res[p + "mlp.up_proj"].perm)
 
 
+@pytest.mark.slow
 def test_hessians_come_from_quantised_predecessors(run, windows):
     """Layer 0's first input is the embedding (no quantisation before it): its Hessian equals the float model's.
     Every later one is computed behind quantised weights (act-order: un-permuted before they are used) and differs
@@ -105,6 +107,7 @@ def test_hessians_come_from_quantised_predecessors(run, windows):
         assert 2e-3 < rel(hessians[name], ref[name]) < 0.2, name
 
 
+@pytest.mark.slow
 def test_float_run_reproduces_the_model(windows, monkeypatch):
     """With every decoder Linear kept in float, the head's Hessian is the float model's: the driver's own layer
     plumbing (embedding rows, causal mask, rotary, norm) matches transformers' forward. And one layer at a time is
@@ -128,6 +131,7 @@ def test_float_run_reproduces_the_model(windows, monkeypatch):
     assert rel(hessians["lm_head"], reference_hessians(windows[:4])["lm_head"]) < 1e-2
 
 
+@pytest.mark.slow
 def test_gptq_beats_rtn_on_the_fixture(run):
     """KL(float || quantised) on held-out text: GPTQ (act-order) below the default RTN (clipping search)."""
     from transformers import AutoModelForCausalLM
