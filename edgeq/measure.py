@@ -1,0 +1,243 @@
+"""Process memory, read from the kernel: what this process holds, split by kind, and what of a mapping is resident.
+
+Linux only (``/proc`` and ``mincore(2)``); every reader raises :class:`EdgeqError` elsewhere rather than guessing.
+No torch import here: the bench parent uses it too.
+
+Kinds of resident memory (``/proc/self/status``, kB there, bytes here)::
+
+    VmRSS = RssAnon + RssFile + RssShmem
+
+- ``RssAnon``: private anonymous pages (heap, tensors, the KV cache, copy-on-write copies of mapped pages);
+- ``RssFile``: file-backed pages mapped into this process (shared libraries, the mapped checkpoint);
+- ``RssShmem``: shared memory and tmpfs files (a checkpoint on /dev/shm or a tmpfs /tmp lands here, not in RssFile).
+
+``VmHWM`` is the peak of VmRSS; writing ``5`` to ``/proc/self/clear_refs`` resets it (Linux >= 4.0), so a peak can be
+taken over one phase (:func:`reset_peak`). ``ru_maxrss`` (getrusage, wait4) is the whole-life peak and cannot be reset.
+
+Residency (:func:`resident_bytes`): ``mincore(2)`` fills one byte per page of a mapped range whose bit 0 says "in
+RAM". For anonymous memory that means touched (an allocated but never written page is not resident). For a file
+mapping it means "in the page cache", whether or not this process has faulted the page in -- for files the caller owns
+or may write (Linux >= 5.0 reports, for other files, only pages this process has mapped). The per-mapping ``Rss`` of
+``/proc/self/smaps`` is the other view: pages of that mapping in this process's page tables.
+Worked example: an 8 MiB file just written, fsynced and dropped from the cache (``posix_fadvise(DONTNEED)``), then
+mapped: mincore says 0 bytes; read one byte in each of its first 256 pages (with ``MADV_RANDOM``, no read-ahead):
+mincore says 1 MiB (256 * 4096), smaps Rss about 1 MiB (plus fault-around of already-cached neighbours).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeq.errors import EdgeqError
+
+PAGE = mmap.PAGESIZE
+_STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "hwm",
+                  "VmSize": "size"}
+
+
+@dataclass(frozen=True)
+class ProcMemory:
+    """One reading of /proc/<pid>/status, in bytes."""
+
+    rss: int
+    anon: int
+    file: int
+    shmem: int
+    hwm: int  # peak VmRSS since start or the last reset_peak()
+    size: int  # virtual size (allocated address space, not memory)
+
+
+def _kb_fields(text: str, names) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in names:
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * 1024  # the kernel writes kB
+    return out
+
+
+def status(pid: int | str = "self") -> ProcMemory:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError as e:
+        raise EdgeqError(f"/proc/{pid}/status: unreadable ({e}); edgeq measures memory on Linux only") from e
+    f = _kb_fields(text, _STATUS_FIELDS)
+    missing = [k for k in _STATUS_FIELDS if k not in f]
+    if missing:
+        raise EdgeqError(f"/proc/{pid}/status: no {', '.join(missing)} (Linux >= 4.5 reports them)")
+    return ProcMemory(**{_STATUS_FIELDS[k]: v for k, v in f.items()})
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """/proc/<pid>/smaps_rollup as {field: bytes} (Rss, Pss, Anonymous, Private_Dirty, ...)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError as e:
+        raise EdgeqError(f"/proc/{pid}/smaps_rollup: unreadable ({e}); needs Linux >= 4.14") from e
+    return {k: v for k, v in _kb_fields(text, _AnyName()).items()}
+
+
+class _AnyName:
+    def __contains__(self, name: str) -> bool:
+        return bool(name) and " " not in name and "-" not in name[:1]
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS; False when the kernel refuses (then VmHWM is the whole-life peak)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def maxrss_self() -> int:
+    """Whole-life peak RSS of this process (getrusage), bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One VMA of /proc/self/smaps: address range, path, and its resident pages."""
+
+    start: int
+    end: int
+    perms: str
+    path: str
+    rss: int  # pages of this mapping in this process's page tables
+    anonymous: int  # of which anonymous (copy-on-write copies of a private file mapping)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def mappings(pid: int | str = "self") -> list[Mapping]:
+    """Every VMA with its Rss and Anonymous, from /proc/<pid>/smaps."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError as e:
+        raise EdgeqError(f"/proc/{pid}/smaps: unreadable ({e}); edgeq measures memory on Linux only") from e
+    out: list[Mapping] = []
+    head = None
+    fields: dict[str, int] = {}
+
+    def flush():
+        if head is not None:
+            out.append(Mapping(head[0], head[1], head[2], head[3], fields.get("Rss", 0), fields.get("Anonymous", 0)))
+
+    for line in text.splitlines():
+        first = line.split(None, 1)[0] if line else ""
+        if "-" in first and not first.endswith(":"):
+            flush()
+            parts = line.split(None, 5)
+            a, b = parts[0].split("-")
+            head = (int(a, 16), int(b, 16), parts[1], parts[5].strip() if len(parts) > 5 else "")
+            fields = {}
+        elif first.endswith(":") and len(line.split()) >= 2:
+            key = first[:-1]
+            if key in ("Rss", "Anonymous"):
+                fields[key] = int(line.split()[1]) * 1024
+    flush()
+    return out
+
+
+_libc = None
+
+
+def _mincore():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+        lib.mincore.restype = ctypes.c_int
+        _libc = lib
+    return _libc.mincore
+
+
+def resident_bytes(address: int, length: int) -> int:
+    """Bytes of ``[address, address + length)`` whose pages are in RAM, by mincore(2); page granularity, clipped to
+    the range (a partly covered page counts only its covered bytes). The range must be mapped (else EdgeqError)."""
+    if length <= 0:
+        return 0
+    first = address - address % PAGE
+    end = address + length
+    pages = (end - first + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    if _mincore()(ctypes.c_void_p(first), ctypes.c_size_t(pages * PAGE), vec) != 0:
+        err = ctypes.get_errno()
+        raise EdgeqError(f"mincore({address:#x}, {length}): {os.strerror(err)}; the range is not (all) mapped")
+    raw = bytes(vec)
+    total = sum(b & 1 for b in raw) * PAGE if pages < 64 else _count_fast(raw)
+    if raw[0] & 1:
+        total -= address - first  # the part of the first page before the range
+    last_end = first + pages * PAGE
+    if raw[-1] & 1:
+        total -= last_end - end
+    return total
+
+
+def _count_fast(raw: bytes) -> int:
+    # bit 0 is the only defined bit; masking keeps this correct if the kernel ever sets others.
+    return raw.translate(_ODD).count(1) * PAGE
+
+
+_ODD = bytes(b & 1 for b in range(256))
+
+
+@dataclass(frozen=True)
+class FileResidency:
+    """Mapped files under one root: their mapped size, what mincore finds in RAM, and what this process has paged in."""
+
+    files: tuple[str, ...]
+    mapped_bytes: int  # address space of the mappings (allocated is not resident)
+    resident_bytes: int  # mincore: in RAM (page cache or private copies)
+    rss_bytes: int  # smaps Rss: in this process's page tables
+    anonymous_bytes: int  # smaps Anonymous: private copies of mapped pages (writes to a MAP_PRIVATE view)
+
+
+def mapped_residency(root: str | Path, maps: list[Mapping] | None = None) -> FileResidency:
+    """Residency of every mapping of a file at or under ``root`` (a checkpoint directory or one file)."""
+    root_s = os.path.realpath(root)
+    prefix = root_s.rstrip("/") + "/"
+    files, mapped, resident, rss, anon = set(), 0, 0, 0, 0
+    for m in maps if maps is not None else mappings():
+        path = m.path.removesuffix(" (deleted)")
+        if path == root_s or path.startswith(prefix):
+            files.add(path)
+            mapped += m.size
+            resident += resident_bytes(m.start, m.size)
+            rss += m.rss
+            anon += m.anonymous
+    return FileResidency(tuple(sorted(files)), mapped, resident, rss, anon)
+
+
+def file_cached_bytes(path: str | Path) -> int:
+    """Bytes of a file now in the page cache (maps it read-only for a moment; reads no data)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # writable view: ctypes needs one for the address; nothing is written
+        return resident_bytes(address_of(m), size)
+
+
+def address_of(m: mmap.mmap) -> int:
+    """Start address of an mmap object. The buffer export is released at once, so the mmap can still be closed."""
+    probe = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(probe)
+    del probe
+    return address
+
+
+def tensor_resident(t) -> tuple[int, int]:
+    """(allocated bytes, resident bytes) of a CPU tensor's storage (allocated is not resident)."""
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    return n, resident_bytes(storage.data_ptr(), n) if n else 0
