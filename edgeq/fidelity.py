@@ -537,7 +537,7 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def _check_same_encoding(ids: list[int], other: list[int], tok: Any) -> None:
+def _check_same_encoding(ids: list[int], other: list[int]) -> None:
     if ids == other:
         return
     i = next((j for j, (x, y) in enumerate(zip(ids, other)) if x != y), min(len(ids), len(other)))
@@ -569,6 +569,7 @@ class _LayerProbe:
         quant_modules = dict(quant.named_modules())
         self.quant_modules = {n: quant_modules[n] for n in self.names}
         self.sums = {n: np.zeros(3) for n in self.names}  # [e2e diff^2, local diff^2, ref^2]
+        self.pending = {n: np.zeros(3) for n in self.names}  # the current window's, added by commit()
         self.phase, self.rows = "", (0, 0)
         self.stash: dict[str, list[torch.Tensor]] = {}
         self.dtype: dict[str, torch.dtype] = {}
@@ -606,11 +607,16 @@ class _LayerProbe:
             x = self._rows(inputs[0], name).to(self.dtype.get(name, inputs[0].dtype)).contiguous()
             y_local = self.quant_modules[name](x).double()
             self.phase = "ref"
-            s = self.sums[name]
+            s = self.pending[name]
             s[0] += float(((y_q - y_ref) ** 2).sum())
             s[1] += float(((y_local - y_ref) ** 2).sum())
             s[2] += float((y_ref ** 2).sum())
         return hook
+
+    def commit(self) -> None:
+        for n, p in self.pending.items():
+            self.sums[n] += p
+            p[:] = 0
 
     def close(self) -> None:
         for h in self.handles:
@@ -641,57 +647,67 @@ class ReferenceFile:
         return plan_counts(self.windows.shape[0], w.per_window, self.header["positions"])
 
 
+def _window_logits(ids: torch.Tensor, keep: int, count: int, ref: Optional[_Side], quant: Optional[_Side],
+                   probe: Optional[_LayerProbe]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Scored rows [count, V] of both models for one window; the quantised model first (the probe needs it so)."""
+    out: dict[str, Optional[torch.Tensor]] = {"quant": None, "ref": None}
+    for phase, s in (("quant", quant), ("ref", ref)):
+        if s is None:
+            continue
+        if probe is not None:
+            probe.phase = phase
+        logits = s.logits(ids, keep)
+        out[phase] = logits[logits.shape[0] - keep:][:count]
+    if probe is not None:
+        probe.phase = ""
+        probe.stash.clear()
+    return out["ref"], out["quant"]
+
+
 def _run(windows: torch.Tensor, counts: list[int], win: Windowing, *, ref: Optional[_Side], quant: Optional[_Side],
          ref_file: Optional[ReferenceFile], save_k: Optional[int], probe: Optional[_LayerProbe],
          progress: Optional[Progress]) -> tuple[dict[str, np.ndarray], list[RefRows], int, bool, int]:
-    """Score window by window; return (per-position arrays, saved ref rows, windows done, interrupted, vocab)."""
+    """Score window by window; return (per-position arrays, saved ref rows, windows done, interrupted, vocab).
+
+    A window counts only once all of its results are in, so that an interrupt leaves consistent statistics.
+    """
     cols: list[dict[str, np.ndarray]] = []
     saved: list[RefRows] = []
     done, interrupted, vocab, offset = 0, False, -1, 0
+    keep = win.ctx - win.first
     t0 = time.monotonic()
     try:
         for w, count in enumerate(counts):
             ids = windows[w: w + 1]
-            a = win.first
-            keep = win.ctx - a
-            targets = ids[0, a + 1: a + 1 + count]
+            targets = ids[0, win.first + 1: win.first + 1 + count]
             if probe is not None:
                 probe.rows = (keep, keep - count)
-            q = r = None
-            if quant is not None:
-                if probe is not None:
-                    probe.phase = "quant"
-                q = quant.logits(ids, keep)
-                q = q[q.shape[0] - keep:][:count]
-            if ref is not None:
-                if probe is not None:
-                    probe.phase = "ref"
-                r = ref.logits(ids, keep)
-                r = r[r.shape[0] - keep:][:count]
-            if probe is not None:
-                probe.phase = ""
-                probe.stash.clear()
+            r, q = _window_logits(ids, keep, count, ref, quant, probe)
             vocab = _check_vocab(q, r, ref_file, vocab)
-            if save_k is not None:
-                saved.append(ref_rows(r, targets, save_k))
-            if q is not None and r is not None:
-                cols.append(position_stats(r, q, targets))
+            rows = ref_rows(r, targets, save_k) if save_k is not None else None
+            if r is not None and q is not None:
+                stats = position_stats(r, q, targets)
             elif q is not None:
-                cols.append(position_stats_topk(ref_file.rows.slice(offset, offset + count), q, targets))
+                stats = position_stats_topk(ref_file.rows.slice(offset, offset + count), q, targets)
             else:
-                cols.append({"nll_ref": (-saved[-1].target_logprob).numpy()})
-            offset += count
+                stats = {"nll_ref": (-rows.target_logprob).numpy()}
             del q, r
+            cols.append(stats)
+            if rows is not None:
+                saved.append(rows)
+            if probe is not None:
+                probe.commit()
+            offset += count
             done += 1
             if progress is not None:
-                el = time.monotonic() - t0
-                progress(done, len(counts), el / done * (len(counts) - done))
+                progress(done, len(counts), (time.monotonic() - t0) / done * (len(counts) - done))
     except KeyboardInterrupt:
         interrupted = True
         if probe is not None:
             probe.phase = ""
         if done == 0:
             raise
+    del cols[done:], saved[done:]
     merged = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]} if cols else {}
     return merged, saved, done, interrupted, vocab
 
@@ -723,7 +739,7 @@ def _resolve_ids(text: Optional[str], input_ids: Optional[Sequence[int]], sides:
     ids = _encode(tok, text)
     for s in sides:
         if s.tokenizer is not None and s.tokenizer is not tok:
-            _check_same_encoding(ids, _encode(s.tokenizer, text), tok)
+            _check_same_encoding(ids, _encode(s.tokenizer, text))
     return ids, getattr(tok, "bos_token_id", None), hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -784,8 +800,11 @@ def _write_reference(path: str | os.PathLike, windows: torch.Tensor, rows: list[
     tensors = {"input_ids": windows.int().contiguous(), **{f.name: getattr(data, f.name).contiguous() for f in fields(RefRows)}}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"edgeq_fidelity_ref": json.dumps(header)})
-    os.replace(tmp, path)  # a crash never leaves a half-written reference behind under the real name
+    try:
+        save_file(tensors, str(tmp), metadata={"edgeq_fidelity_ref": json.dumps(header)})
+        os.replace(tmp, path)  # a crash never leaves a half-written reference behind under the real name
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_reference_file(path: str | os.PathLike) -> ReferenceFile:

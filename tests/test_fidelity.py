@@ -538,6 +538,28 @@ def test_per_layer_relative_errors_match_direct_computation():
     assert not quant.head._forward_hooks and not model.head._forward_hooks
 
 
+def test_interrupt_keeps_per_layer_and_token_statistics_consistent():
+    class Interrupting(TinyLM):
+        calls = 0
+
+        def forward(self, input_ids):
+            out = super().forward(input_ids)  # every hook of this window has fired
+            Interrupting.calls += 1
+            if Interrupting.calls == 3:
+                raise KeyboardInterrupt
+            return out
+
+    model = Interrupting()
+    quant = quantised_copy(TinyLM(), 0.1)  # same seed, same weights; a plain TinyLM that never interrupts
+    text = make_text(400)
+    cut = F.compare(side(model), side(quant), text=text, ctx=32, per_layer=True)
+    clean = F.compare(side(TinyLM()), side(quant), text=text, ctx=32, per_layer=True, max_tokens=2 * 15)
+    assert cut.partial and cut.windows == 2 and not clean.partial
+    assert cut.kld_mean == clean.kld_mean
+    assert [(e.name, e.rel_err, e.local_rel_err) for e in cut.per_layer] == \
+           [(e.name, e.rel_err, e.local_rel_err) for e in clean.per_layer]
+
+
 def test_per_layer_refusals():
     model = TinyLM()
     with pytest.raises(EdgeqError, match="no module marked edgeq_quantized"):
