@@ -298,7 +298,8 @@ def test_sampling_stop_strings_streaming_and_logprobs(prose):
         Generation(lm, [5] * 30, SamplingParams(max_tokens=1000))
 
 
-def test_generate_command_streams_and_reports(prose, capsys):
+def test_generate_command_streams_and_reports(prose, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path))  # its crossover probe must not write to ~/.cache
     generate_command(str(prose), "Once upon a time", max_tokens=8)
     out = capsys.readouterr()
     assert out.out.strip() and "tok/s" in out.err and "decode" in out.err
