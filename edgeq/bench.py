@@ -98,7 +98,7 @@ class PassResult:
     error: Optional[str]
     exit_code: Optional[int]
     wall_s: float
-    maxrss: int  # ru_maxrss of this worker alone (wait4), bytes: its whole-life peak
+    maxrss: int  # ru_maxrss from wait4, bytes: the larger of this worker's whole-life peak and its waited-for children's
     data: dict
     stderr_tail: str = ""
 
@@ -507,11 +507,15 @@ class ConvertBench:
 
 
 def run_convert(model: str, scheme: str | None, method: str | None, passes: int, workdir: Path | None = None,
-                timeout_s: float = 7200.0, progress: Callable[[str], None] | None = None) -> ConvertBench:
-    """``edgeq quantize`` in a child process per pass; the child's peak RSS from wait4()'s rusage (that child
-    alone) and its own report; the output is written to a temporary directory and removed."""
+                timeout_s: float = 7200.0, progress: Callable[[str], None] | None = None,
+                keep: Path | None = None) -> ConvertBench:
+    """``edgeq quantize`` in a child process per pass; the child's peak RSS from wait4()'s rusage (that child and
+    any child it waited for) and its own report. The output goes to a temporary directory and is removed, unless
+    ``keep`` (one pass only) names where to leave it."""
     if passes < 1:
         raise EdgeqError(f"--passes {passes}: at least 1 conversion pass")
+    if keep is not None and passes != 1:
+        raise EdgeqError("keep= writes one output: use passes=1")
     if not Path(model).exists():
         raise EdgeqError(f"{model}: no such model directory")
     machine = machine_info()
@@ -522,7 +526,7 @@ def run_convert(model: str, scheme: str | None, method: str | None, passes: int,
         for p in range(passes):
             if progress:
                 progress(f"conversion pass {p + 1}/{passes}: {model}")
-            out = base / f"out-{p}"
+            out = Path(keep) if keep is not None else base / f"out-{p}"
             cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(out), "--json", "-q", "--force"]
             cmd += ["--scheme", scheme] if scheme else []
             cmd += ["--method", method] if method else []
@@ -545,7 +549,8 @@ def run_convert(model: str, scheme: str | None, method: str | None, passes: int,
             peaks.append(usage.ru_maxrss * 1024)
             anons.append(report.get("peak_rss_anon_bytes", 0))
             bytes_in, bytes_out = report.get("bytes_in", 0), report.get("bytes_out", 0)
-            shutil.rmtree(out, ignore_errors=True)
+            if keep is None:
+                shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     machine["loadavg_end"] = list(os.getloadavg())

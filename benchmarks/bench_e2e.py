@@ -1,0 +1,197 @@
+"""End to end: synthetic checkpoints of real model shapes -> edgeq quantize -> edgeq bench, w4a16-g128 against the
+bf16 reference (and llama.cpp Q4_K_M when llama-cpp-python and gguf are installed). Prints the markdown tables of
+docs/results.md: decode and prefill with spread, memory ledger, projection vs measured, conversion time and peak.
+
+    python benchmarks/bench_e2e.py                                  # both shapes, 3 passes, 2 threads, pp512 tg128
+    python benchmarks/bench_e2e.py --models llama-3.2-1b --passes 3 --workdir /tmp/edgeq-e2e --json e2e.json
+    python benchmarks/bench_e2e.py --no-gguf                         # skip the llama.cpp arm
+
+Checkpoints are built once in --workdir and reused (delete it to rebuild). Weights are random (speed and memory do
+not depend on the values). Every arm runs through `edgeq.bench.run_bench`: fresh process per pass, arms interleaved,
+failures suppress the comparison (docs/methodology.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import SHAPES, write  # noqa: E402
+
+from edgeq.bench import Arm, BenchConfig, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
+
+MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
+SCHEME = "w4a16-g128"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gguf_possible() -> str | None:
+    """None when a Q4_K_M GGUF can be built and run here, else why not."""
+    missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (pip install llama-cpp-python gguf)"
+    return None
+
+
+def prepare(model: str, workdir: Path, want_gguf: bool) -> dict:
+    src = workdir / f"{model}-bf16"
+    if not (src / "config.json").exists():
+        log(f"{model}: writing the synthetic bf16 checkpoint")
+        write(dict(SHAPES[model]), src)
+    q = workdir / f"{model}-{SCHEME}"
+    conversion = None
+    if not (q / "edgeq_manifest.json").exists():
+        log(f"{model}: edgeq quantize (child process, timed)")
+        conversion = run_convert(str(src), SCHEME, None, passes=1, keep=q)
+        if conversion.failures:
+            raise SystemExit(f"{model}: conversion failed: {conversion.failures}")
+        (workdir / f"{model}-convert.json").write_text(to_json(conversion))
+    else:
+        saved = workdir / f"{model}-convert.json"
+        conversion = json.loads(saved.read_text()) if saved.exists() else None
+    gguf = None
+    if want_gguf:
+        from gguf_synthetic import build_q4_k_m  # noqa: PLC0415 - optional extra
+
+        gguf = workdir / f"{model}-Q4_K_M.gguf"
+        if not gguf.exists():
+            log(f"{model}: writing GGUF F16 and quantising to Q4_K_M with llama.cpp")
+            build_q4_k_m(src, gguf, threads=2)
+    return {"src": src, "quantized": q, "gguf": gguf, "conversion": conversion}
+
+
+def _conv_row(model: str, c) -> str:
+    if c is None:
+        return f"| {model} | (converted earlier, not measured) | | | |"
+    if not isinstance(c, dict):
+        c = json.loads(to_json(c))
+    s, p = c["seconds"], c["peak_rss"]
+    return (f"| {model} | {mib(c['bytes_in'])} -> {mib(c['bytes_out'])} | {s['median']:.0f} s | {mib(p['median'])} | "
+            f"{mib(c['peak_anon']['median'])} |")
+
+
+def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> str:
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores ({', '.join(machine['flags'])}), "
+        f"{machine['memory_bytes'] / 2**30:.0f} GiB; threads {args.threads}; {machine['date']}; load average "
+        f"{machine['loadavg_start'][0]:.1f} at the start (other jobs shared the machine). edgeq bench: "
+        f"{args.passes} passes per arm, each a fresh process, arms interleaved; prompt {args.prompt_len} tokens, "
+        f"{args.gen_len} generated; median [min-max].",
+        "",
+        "| model | arm | prefill pp{} tok/s | decode tg{} tok/s | TTFT s | load s |".format(args.prompt_len, args.gen_len),
+        "|---|---|---|---|---|---|",
+    ]
+    for model, prep, report in results:
+        if not report.ok:
+            lines.append(f"| {model} | FAILED: {report.failures[0]['error'][:120]} | | | | |")
+            continue
+        for s in report.arms:
+            name = {"A": SCHEME, "B": "bf16 reference", "G": "llama.cpp Q4_K_M"}[s.label]
+            t = s.timing
+            lines.append(f"| {model} | {name} | {fmt_stat(t['pp_tok_s'], 'tok/s')} | {fmt_stat(t['tg_tok_s'], 'tok/s')} "
+                         f"| {fmt_stat(t['ttft_s'], 's')} | {fmt_stat(t['load_s'], 's')} |")
+    lines += ["", "Ratios of medians (A / other; > 1 means edgeq is faster for pp and tg):", "",
+              "| model | vs | prefill | decode | ranges (pp, tg) |", "|---|---|---|---|---|"]
+    for model, prep, report in results:
+        for c in report.comparisons or ():
+            rows = {r["metric"]: r for r in c.rows}
+            other = {"B": "bf16 reference", "G": "llama.cpp Q4_K_M"}[c.b]
+            lines.append(f"| {model} | {other} | {rows['pp_tok_s']['ratio']:.2f}x | {rows['tg_tok_s']['ratio']:.2f}x | "
+                         f"{'overlap' if rows['pp_tok_s']['overlap'] else 'disjoint'}, "
+                         f"{'overlap' if rows['tg_tok_s']['overlap'] else 'disjoint'} |")
+    lines += ["", "Memory at steady state (after the timed request), pass with the median RSS; peak during load:", "",
+              "| model | arm | peak load | RSS | anon | file | checkpoint mapped in | KV alloc / touched | scratch alloc / touched | unattributed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, prep, report in results:
+        for s in report.arms if report.ok else ():
+            led = s.ledger
+            ck = led["checkpoint"]
+            name = {"A": SCHEME, "B": "bf16", "G": "llama.cpp"}[s.label]
+            kv_t = mib(led["kv_touched"]) if led["kv_touched"] is not None else "n/a"
+            lines.append(f"| {model} | {name} | {mib(s.memory['peak_load'].median)} | {mib(led['total'])} | "
+                         f"{mib(led['rss_anon'])} | {mib(led['rss_file'] + led['rss_shmem'])} | "
+                         f"{mib(ck['rss_bytes'] - ck['anonymous_bytes'])} of {mib(ck['mapped_bytes'])} | "
+                         f"{mib(led['kv_allocated'])} / {kv_t} | {mib(led['scratch_allocated'])} / "
+                         f"{mib(led['scratch_touched'])} | {mib(led['unattributed'])} |")
+    lines += ["", "Projection (`edgeq inspect`, edgeq.memory) vs measured, w4a16 arm:", "",
+              "| model | category | projected | measured | measured - projected |", "|---|---|---|---|---|"]
+    for model, prep, report in results:
+        a = report.arms[0] if report.ok else None
+        for r in (a.projection or {}).get("rows", []) if a else ():
+            lines.append(f"| {model} | {r['category']} | {mib(r['projected'])} | {mib(r['measured'])} | {mib(r['diff'])} |")
+    lines += ["", "Conversion (`edgeq quantize` in a child process; peak RSS from wait4):", "",
+              "| model | bf16 -> w4a16-g128 | time | peak RSS | peak RssAnon |", "|---|---|---|---|---|"]
+    lines += [_conv_row(model, prep["conversion"]) for model, prep, _ in results]
+    lines += ["", "Paths counted in the timed request and effective settings (read back):", ""]
+    for model, prep, report in results:
+        for s in report.arms if report.ok else ():
+            e = s.settings
+            paths = "; ".join(f"{ph}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for ph, c in s.paths.items())
+            if s.kind == "gguf":
+                desc = f"{e.get('model_desc')}, n_ctx {e.get('n_ctx')}, threads {e.get('n_threads')}"
+            else:
+                desc = (f"max_model_len {e['max_model_len']}, KV {mib(e['kv_cache_bytes'])}, threads {e['threads_now']}, "
+                        f"decode {e['decode_path']}" + (f" ({(e.get('native') or {}).get('isa')})" if e.get("native") else "")
+                        + f", prefill {e['prefill_path']} at M >= {e['prefill_crossover']}")
+            lines.append(f"- {model} {s.label}: {desc}; {paths}")
+    for model, prep, report in results:
+        for f in report.flags:
+            lines.append(f"- FLAG {model}: {f}")
+        for n in report.notes:
+            lines.append(f"- note {model}: {n}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeq-e2e"))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--kv-cache-bytes", default="256MiB")
+    ap.add_argument("--no-gguf", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write every report as JSON here")
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    why_not = "--no-gguf" if args.no_gguf else gguf_possible()
+    if why_not:
+        log(f"llama.cpp arm skipped: {why_not}")
+    results, machine = [], None
+    for model in args.models.split(","):
+        prep = prepare(model, args.workdir, why_not is None)
+        common = dict(threads=args.threads, kv_cache_bytes=args.kv_cache_bytes)
+        arms = [Arm("A", str(prep["quantized"]), **common), Arm("B", str(prep["src"]), **common)]
+        if prep["gguf"] is not None:
+            from edgeq.bench import default_context  # noqa: PLC0415
+
+            ctx = default_context(str(prep["quantized"]), args.kv_cache_bytes)
+            arms.append(Arm("G", str(prep["gguf"]), kind="gguf", threads=args.threads, max_model_len=ctx))
+        cfg = BenchConfig(prompt_len=args.prompt_len, gen_len=args.gen_len, passes=args.passes)
+        report = run_bench(arms, cfg, progress=lambda m, model=model: log(f"{model}: {m}"))
+        machine = machine or report.machine
+        results.append((model, prep, report))
+        if not report.ok:
+            log(f"{model}: FAILED: {report.failures}")
+    if args.json:
+        args.json.write_text(json.dumps([{"model": m, "report": json.loads(to_json(r))} for m, _, r in results], indent=1))
+    if why_not:
+        print(f"llama.cpp arm: skipped ({why_not}).\n")
+    print(markdown(results, args, machine))
+
+
+if __name__ == "__main__":
+    main()
