@@ -207,16 +207,10 @@ def _register_edges() -> None:
 
 
 def parse_bytes(text: str) -> int:
-    """'256MiB' -> 268435456, '2GB' -> 2000000000, '1024' -> 1024."""
-    import re
+    """'256MiB' -> 268435456 (one implementation: edgeq.runtime.sizes)."""
+    from edgeq.runtime.sizes import parse_bytes as parse
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
-    if not m:
-        raise EdgeqError(f"cannot read {text!r} as a byte size; write e.g. 256MiB, 2GB or 1048576")
-    unit = (m.group(2) or "").rstrip("b")
-    base = 1024 if unit.endswith("i") else 1000
-    power = "kmgt".find(unit[:1]) + 1 if unit else 0
-    return int(float(m.group(1)) * base**power)
+    return parse(text)
 
 
 def main() -> None:

@@ -6,10 +6,18 @@ bf16 GEMM path (prefill), a static KV cache from a byte budget, generation and a
     print(generate(lm, "Once upon a time", SamplingParams(max_tokens=32)).text)
 """
 
-from edgeq.runtime.generate import Generation, GenerationResult, SamplingParams, generate
-from edgeq.runtime.loader import LayoutRepackWarning, LoadedModel, RuntimeSettings, load
-from edgeq.runtime.repack import RepackReport, repack
-from edgeq.runtime.sizes import parse_bytes
+import importlib
 
-__all__ = ["load", "LoadedModel", "RuntimeSettings", "LayoutRepackWarning", "repack", "RepackReport", "generate",
-           "Generation", "GenerationResult", "SamplingParams", "parse_bytes"]
+# Lazy: `edgeq.runtime.sizes` and friends must be importable without pulling in transformers (inspect, the CLI).
+_EXPORTS = {
+    "load": "loader", "LoadedModel": "loader", "RuntimeSettings": "loader", "LayoutRepackWarning": "loader",
+    "repack": "repack", "RepackReport": "repack", "generate": "generate", "Generation": "generate",
+    "GenerationResult": "generate", "SamplingParams": "generate", "parse_bytes": "sizes",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'edgeq.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"edgeq.runtime.{_EXPORTS[name]}"), name)

@@ -179,6 +179,7 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
             f"run `edgeq repack` on it, or load without --strict-layout to repack in memory"
         )
     consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
+    perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
     g = info.scheme.group_size
     for name in info.quantized_modules:
         try:
@@ -209,7 +210,10 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
             else:
                 mapped += bias.numel() * 2
             consumed.add(f"{name}.bias")
-        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, g, bias, runtime))
+        perm = _input_perm(files, name, k, perms)
+        if perm is not None:
+            consumed.add(f"{name}.perm")
+        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, g, bias, runtime, perm=perm))
     if foreign:
         warnings.warn(
             f"REPACKED IN MEMORY: checkpoint layout {info.layout.layout_hash[:12]} ({info.layout.cpu_capability}, "
@@ -220,6 +224,19 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
             LayoutRepackWarning, stacklevel=3,
         )
     return runtime, consumed, copied, mapped, "repacked" if foreign else "native"
+
+
+def _input_perm(files, name: str, k: int, perms: dict) -> torch.Tensor | None:
+    """``M.perm`` (int64 [K]) of an act-order GPTQ layer: the module computes kernel(x[..., perm]); None if absent."""
+    if f"{name}.perm" not in files:
+        return None
+    perm = files.get(f"{name}.perm")
+    if perm.dtype != torch.int64 or list(perm.shape) != [k]:
+        raise EdgeqError(f"{name}.perm: expected int64 [{k}], got {perm.dtype} {list(perm.shape)}; re-convert the checkpoint")
+    if not torch.equal(perm.sort().values, torch.arange(k)):
+        raise EdgeqError(f"{name}.perm: not a permutation of 0..{k - 1} (repeated or missing indices); re-convert the checkpoint")
+    key = perm.numpy().tobytes()
+    return perms.setdefault(key, perm)
 
 
 def _crossover(runtime: Runtime, quantized, info: QuantInfo, override: int | None) -> tuple[int, str]:

@@ -32,7 +32,8 @@ from torch import nn
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 
-SCRATCH_TARGET_ELEMS = 1 << 22  # ~4M weights per block: 8 MiB bf16 + 4 MiB uint8 of scratch
+# The block rule lives in edgeq.memory so that inspect's projection and the runtime cannot disagree.
+from edgeq.memory import SCRATCH_TARGET_ELEMS, rows_per_block  # noqa: E402,F401
 
 
 def _native():
@@ -75,15 +76,19 @@ class Runtime:
     scratch: Scratch | None = None
     native: object | None = None
 
+    _gathered: tuple | None = None
+
     @property
     def decode_path(self) -> str:
         return "native_decode" if self.native is not None else "tinygemm_decode"
 
-
-def rows_per_block(n: int, k: int, block_n: int) -> int:
-    """Rows dequantised at a time: about SCRATCH_TARGET_ELEMS weights, a whole number of layout blocks, <= N."""
-    rows = max(block_n, (SCRATCH_TARGET_ELEMS // max(k, 1)) // block_n * block_n)
-    return min(rows, n)
+    def gather(self, x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """x2[:, perm], computed once for consecutive layers that read the same input with the same perm (q/k/v)."""
+        key = (x2.data_ptr(), x2._version, tuple(x2.shape), perm.data_ptr())
+        if self._gathered is None or self._gathered[0] != key:
+            self.counts["input_gather"] += 1
+            self._gathered = (key, x2.index_select(1, perm), x2)  # holding x2 keeps its storage from being reused
+        return self._gathered[1]
 
 
 def _ranges(n: int, rows: int, block_n: int | None) -> list[tuple[int, int]]:
@@ -110,7 +115,7 @@ class Int4Linear(nn.Module):
     edgeq_quantized = True
 
     def __init__(self, name: str, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None, runtime: Runtime):
+                 bias: torch.Tensor | None, runtime: Runtime, perm: torch.Tensor | None = None):
         super().__init__()
         self.name = name
         self.out_features, self.in_features = tinygemm.check_shapes(name, qweight, scales_and_zeros, group_size)
@@ -120,6 +125,7 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = scales_and_zeros
         self.bias = bias
         self.runtime = runtime
+        self.perm = perm  # act-order GPTQ: the packed K axis is x's K axis permuted (docs/format.md)
         self._order = _nibble_order(runtime.layout)
         self._rows = rows_per_block(self.out_features, self.in_features, runtime.layout.block_n)
         self._ranges = _ranges(self.out_features, self._rows, runtime.layout.block_n if self._order else None)
@@ -137,6 +143,8 @@ class Int4Linear(nn.Module):
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         x2 = x2.contiguous()
+        if self.perm is not None:
+            x2 = self.runtime.gather(x2, self.perm)
         if x2.shape[0] >= self.runtime.prefill_threshold:
             y = self.forward_dequant(x2)  # adds the bias inside the GEMM, as nn.Linear does
         else:
