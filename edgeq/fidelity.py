@@ -1031,11 +1031,12 @@ def _progress_bar():
 
 
 def fidelity_command(
-    models: Annotated[list[Path], typer.Argument(help="REF QUANT; or QUANT alone with --ref FILE; or REF alone with --save-ref FILE", show_default=False)],
-    text: Annotated[Optional[Path], typer.Option("--text", help="UTF-8 evaluation text [default: bundled held-out prose]")] = None,
-    ctx: Annotated[Optional[int], typer.Option("--ctx", help="tokens per window [default: 512, or the --ref file's]")] = None,
+    models: Annotated[list[Path], typer.Argument(help="REF QUANT; or QUANT alone with --ref FILE; or REF alone with --save-ref FILE", show_default=False,
+                                             metavar="REF QUANT")],
+    text: Annotated[Optional[Path], typer.Option("--text", help="UTF-8 evaluation text (default: the bundled held-out prose, edgeq/data/heldout-prose.txt)")] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", help="tokens per window (default: 512, or the --ref file's)")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="stop after this many scored tokens")] = None,
-    score: Annotated[Optional[str], typer.Option("--score", help="half (llama-perplexity) or all positions of each window")] = None,
+    score: Annotated[Optional[str], typer.Option("--score", help="half: the second half of each window, as llama-perplexity (default); all: every position")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (schema edgeq.fidelity/1)")] = False,
     save_ref: Annotated[Optional[Path], typer.Option("--save-ref", help="also cache the reference's top-k log-probs here")] = None,
     ref: Annotated[Optional[Path], typer.Option("--ref", help="compare against a --save-ref file instead of REF")] = None,
@@ -1077,4 +1078,4 @@ def fidelity_command(
         raise typer.Exit(130)
     broken = broken_bounds(report, max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio)
     if broken:
-        raise ThresholdError("fidelity bound broken: " + "; ".join(broken))
+        raise ThresholdError("; ".join(broken))  # the CLI prints "threshold broken: <this>", exit 1
