@@ -670,6 +670,13 @@ def _render_memory(s: ArmSummary, out) -> None:
     t.add_row("", "[bold]total (VmRSS)[/bold]", _mib(led["total"]),
               f"explained {led['explained'] / max(led['total'], 1):.1%}, unattributed {_mib(led['unattributed'])}")
     out.print(t)
+    ck = led["checkpoint"]
+    out.print(f"checkpoint {s.label}: mapped {_mib(ck['mapped_bytes'])}; resident in RAM (mincore) "
+              f"{_mib(ck['resident_bytes'])}; faulted into this process (smaps Rss) {_mib(ck['rss_bytes'])}; "
+              f"copy-on-write {_mib(ck['anonymous_bytes'])}. KV cache allocated {_mib(led['kv_allocated'])}, touched "
+              + (_mib(led['kv_touched']) if led['kv_touched'] is not None else "n/a")
+              + f"; prefill scratch allocated {_mib(led['scratch_allocated'])}, touched {_mib(led['scratch_touched'])}",
+              highlight=False)
     p = s.projection
     if p and p.get("rows"):
         t = Table(title=f"projection vs measured, arm {s.label} ({p['basis']})")
@@ -730,8 +737,8 @@ def _parse_env(items: list[str]) -> tuple:
 def default_context(checkpoint: str, kv_cache_bytes: str) -> int:
     """The context the runtime would choose for ``checkpoint`` (min of the model's maximum and the KV budget):
     given to llama.cpp as n_ctx so both arms hold the same KV cache."""
-    from edgeq.cli import parse_bytes
     from edgeq.memory import kv_geometry
+    from edgeq.runtime.sizes import parse_bytes  # the runtime's own reading of the budget
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     g = kv_geometry(config)

@@ -327,10 +327,113 @@ def edgeq_ledger(lm, base, after_load, steady, kv_at_load, scratch_at_load) -> d
 # ------------------------------------------------------------------------------------------------------- gguf arm
 
 
+class LlamaCpp:
+    """One llama.cpp model + context through llama-cpp-python's ctypes C API, driven like llama-bench: the prompt as
+    one batch (``n_batch`` = prompt length), then one token per ``llama_decode``; greedy argmax in numpy. Built for
+    the API of llama-cpp-python 0.3.x; older names are tried where they changed."""
+
+    def __init__(self, path: Path, *, n_ctx: int, threads: int, batch: int):
+        import llama_cpp as L  # optional extra: an ImportError fails this pass with its message
+
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        if hasattr(mp, "use_mmap"):
+            mp.use_mmap = True
+        elif hasattr(mp, "load_mode"):
+            mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
+        load_model = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
+        self.model = load_model(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"{path}: llama.cpp could not load the model (see the worker's stderr)")
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, max(batch, 1), min(max(batch, 1), 512)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.n_seq_max = 1
+        new_ctx = getattr(L, "llama_init_from_model", None) or L.llama_new_context_with_model
+        self.ctx = new_ctx(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"{path}: llama.cpp could not create a context of {n_ctx} tokens")
+        vocab = L.llama_model_get_vocab(self.model) if hasattr(L, "llama_model_get_vocab") else self.model
+        self.n_vocab = int(L.llama_vocab_n_tokens(vocab) if hasattr(L, "llama_vocab_n_tokens") else L.llama_n_vocab(vocab))
+        self.batch = L.llama_batch_init(max(batch, 1), 0, 1)
+        self.capacity = max(batch, 1)
+
+    def effective(self) -> dict:
+        L = self.L
+        buf = ctypes_buffer(256)
+        L.llama_model_desc(self.model, buf, 256)
+        n_ctx = int(L.llama_n_ctx(self.ctx))
+        layers, n_head, n_head_kv = (int(L.llama_model_n_layer(self.model)), int(L.llama_model_n_head(self.model)),
+                                     int(L.llama_model_n_head_kv(self.model)))
+        head_dim = int(L.llama_model_n_embd(self.model)) // n_head
+        meta = ctypes_buffer(64)
+        key_len = L.llama_model_meta_val_str(self.model, b"general.architecture", meta, 64)
+        arch = meta.value.decode() if key_len > 0 else "?"
+        hd = ctypes_buffer(32)
+        if L.llama_model_meta_val_str(self.model, f"{arch}.attention.key_length".encode(), hd, 32) > 0:
+            head_dim = int(hd.value.decode())
+        return {
+            "model_desc": buf.value.decode(errors="replace"), "architecture": arch,
+            "model_bytes": int(L.llama_model_size(self.model)), "n_params": int(L.llama_model_n_params(self.model)),
+            "n_ctx": n_ctx, "n_batch": int(L.llama_n_batch(self.ctx)), "n_ubatch": int(L.llama_n_ubatch(self.ctx)),
+            "n_threads": int(L.llama_n_threads(self.ctx)), "n_threads_batch": int(L.llama_n_threads_batch(self.ctx)),
+            # f16 K and V for every layer and position (llama.cpp's default cache type)
+            "kv_cache_bytes": 2 * layers * n_ctx * n_head_kv * head_dim * 2,
+            "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
+            "llama_cpp_python": getattr(L, "__version__", "?"),
+        }
+
+    def _clear(self) -> None:
+        L = self.L
+        if hasattr(L, "llama_get_memory"):
+            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        elif hasattr(L, "llama_kv_self_clear"):
+            L.llama_kv_self_clear(self.ctx)
+        else:
+            L.llama_kv_cache_clear(self.ctx)
+
+    def _decode(self, tokens: list[int], pos0: int) -> int:
+        import numpy as np
+
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, pos0 + i, 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i == len(tokens) - 1
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} at position {pos0} ({len(tokens)} tokens)")
+        logits = np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def request(self, ids: list[int], gen_len: int) -> dict:
+        if len(ids) > self.capacity:
+            raise RuntimeError(f"prompt of {len(ids)} tokens exceeds the batch of {self.capacity}")
+        self._clear()
+        t0 = time.perf_counter()
+        token = self._decode(ids, 0)
+        t1 = time.perf_counter()
+        for i in range(gen_len):
+            token = self._decode([token], len(ids) + i)
+        t2 = time.perf_counter()
+        return {"prefill_s": t1 - t0, "ttft_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def ctypes_buffer(n: int):
+    import ctypes
+
+    return ctypes.create_string_buffer(n)
+
+
 def run_gguf(spec: PassSpec) -> dict:
     """The llama.cpp arm through llama-cpp-python's C API (mirrors llama-bench: one batch prefill, then one token at a
     time), with the same prompt ids, threads and lengths."""
+    import llama_cpp  # noqa: F401 - the code, before the baseline (an ImportError fails the pass with its message)
+
     path = Path(spec.checkpoint)
+    llama_cpp.llama_backend_init()
     t_imported = time.perf_counter()
     base = measure.status()
     cached_before = measure.file_cached_bytes(path)
