@@ -1,4 +1,4 @@
-"""The W4A8 (int8-activation) layout of sglang's / vLLM's CPU kernel ``int4_scaled_mm_cpu``, and a bit-exact portable path.
+"""The W4A8 layout of sglang's / vLLM's CPU kernel ``int4_scaled_mm_cpu``, and a bit-exact portable path in torch.
 
 Layout (the bytes ``convert_weight_packed_scale_zp`` produces; N output rows, K inputs, G the group size)::
 
@@ -31,8 +31,9 @@ Arithmetic of the kernel (what :func:`w4a8_linear` reproduces bit for bit; see d
         C   = fma(fp32(acc) * s_a[m], s[g, n], C)               one fp32 rounding for the product, one for the fma
     y = bf16(C)                                                round to nearest even
 
-Source checked: sgl-project/sglang sgl-kernel/csrc/cpu/gemm_int4.cpp (``convert_int4_weight_packed_with_compensation``,
-``_da8w4_linear_impl``, ``_dequant_gemm_accum``, ``quantize_row_int8`` in vec.h) and the identical port in
+Source checked: sgl-project/sglang sgl-kernel/csrc/cpu/gemm_int4.cpp
+(``convert_int4_weight_packed_with_compensation``, ``_da8w4_linear_impl``, ``_dequant_gemm_accum``,
+``quantize_row_int8`` in vec.h) and the identical port in
 vllm-project/vllm csrc/cpu/sgl-kernels/gemm_int4.cpp. The multiply-add is written there as separate
 ``_mm512_mul_ps`` / ``_mm512_add_ps``; it is fused only when the compiler contracts it (GCC's default in GNU
 mode). :func:`w4a8_linear` takes ``fused`` so a load-time probe against a compiled kernel can pick the one it does.
@@ -67,7 +68,8 @@ _DESCRIPTION = {
     "block_n": BLOCK_N,
     "block_k": "min(G, 128)",
     "qweight": "uint8 [N/32, K/bk, bk*16 + 128]",
-    "nibbles": "byte kg*64 + j*4 + ki: low q[n0+c(j), k0+4kg+ki], high q[n0+c(j)+8, ...], c(j) = j if j < 8 else j + 8",
+    "nibbles": "byte kg*64 + j*4 + ki: low q[n0+c(j), k0+4kg+ki], high q[n0+c(j)+8, ...], "
+    "c(j) = j if j < 8 else j + 8",
     "compensation": "int32 little-endian [32] after the nibbles: sum over the block of (q - z)",
     "scales": "fp32 [N/32, K/G, 32]",
     "zeros": "int8 [N/32, K/G, 32], values 0..15",
@@ -75,7 +77,9 @@ _DESCRIPTION = {
 }
 LAYOUT_HASH = hashlib.sha256(json.dumps(_DESCRIPTION, sort_keys=True).encode()).hexdigest()
 
-CALLS: Counter = Counter()  # "w4a8_linear", "blocks_int_mm", "blocks_fp32": benchmarks check which path ran
+# "w4a8_linear": calls; "blocks_int_mm" / "blocks_fp32" and "fma_addcmul" / "fma_exact" / "fma_unfused": steps of
+# (32-row block x K block) by path, so benchmarks and `edgeq route` can show which path actually ran
+CALLS: Counter = Counter()
 
 
 def block_k(group_size: int) -> int:
@@ -101,11 +105,17 @@ def check_shape(name: str, n: int, k: int, group_size: int) -> None:
         raise EdgeqError(f"{name}: W4A8 group size {group_size} is not supported; use one of {GROUP_SIZES}")
     bk = block_k(group_size)
     if n % BLOCK_N:
-        raise EdgeqError(f"{name} [{n}, {k}]: N={n} is not a multiple of {BLOCK_N} (W4A8 packs 32 output rows per block); keep the module in bf16 or use w4a16")
+        raise EdgeqError(
+            f"{name} [{n}, {k}]: N={n} is not a multiple of {BLOCK_N} (W4A8 packs 32 output rows per block); "
+            "keep the module in bf16 or use w4a16"
+        )
     if k % bk or k % group_size:
-        raise EdgeqError(f"{name} [{n}, {k}]: K={k} is not a multiple of the K block {bk} (group size {group_size}); use a group size dividing K")
+        raise EdgeqError(
+            f"{name} [{n}, {k}]: K={k} is not a multiple of the K block {bk} (group size {group_size}); "
+            "use a group size dividing K"
+        )
     if k % 32:
-        raise EdgeqError(f"{name} [{n}, {k}]: K={k} is not a multiple of 32 (the kernel quantises activations 32 at a time)")
+        raise EdgeqError(f"{name} [{n}, {k}]: K={k} is not a multiple of 32 (the kernel quantises activations 32 at once)")
 
 
 @dataclass(frozen=True)
@@ -128,24 +138,34 @@ def packed_shape(qweight: torch.Tensor, group_size: int) -> tuple[int, int]:
     return qweight.shape[0] * BLOCK_N, qweight.shape[1] * bk
 
 
-def check_packed(name: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> tuple[int, int]:
+def check_packed(name: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
     """Validate dtypes and shapes of the three packed tensors against each other; returns (N, K)."""
     if group_size not in GROUP_SIZES:
         raise EdgeqError(f"{name}: W4A8 group size {group_size} is not supported; use one of {GROUP_SIZES}")
     bk = block_k(group_size)
     if qweight.dtype != torch.uint8 or qweight.dim() != 3 or qweight.shape[2] != bk * 16 + COMP_BYTES:
-        raise EdgeqError(f"{name}.qweight: expected uint8 [N/32, K/{bk}, {bk * 16 + COMP_BYTES}] for G={group_size}, got {qweight.dtype} {list(qweight.shape)}")
+        raise EdgeqError(
+            f"{name}.qweight: expected uint8 [N/32, K/{bk}, {bk * 16 + COMP_BYTES}] for G={group_size}, "
+            f"got {qweight.dtype} {list(qweight.shape)}"
+        )
     n, k = packed_shape(qweight, group_size)
     want = [n // BLOCK_N, k // group_size, BLOCK_N]
     for t, dt, label in ((scales, torch.float32, "scales"), (zeros, torch.int8, "zeros")):
         if t.dtype != dt or list(t.shape) != want:
-            raise EdgeqError(f"{name}.{label}: expected {dt} {want} for N={n}, K={k}, G={group_size}, got {t.dtype} {list(t.shape)}")
+            raise EdgeqError(
+                f"{name}.{label}: expected {dt} {want} for N={n}, K={k}, G={group_size}, got {t.dtype} {list(t.shape)}"
+            )
     check_shape(name, n, k, group_size)
     return n, k
 
 
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise EdgeqError("the amx_w4a8 layout stores little-endian int32 and VNNI words; this host is big-endian")
+
+
 def _nibble_view(t: torch.Tensor, nc: int, kc: int, bk: int) -> torch.Tensor:
-    """A [N, K] tensor viewed as [Nc, half h, hi/lo, i, Kc, kg, ki] where row c = 16h + 8*hi + i, k = bk*kb + 4kg + ki."""
+    """[N, K] viewed as [Nc, h, hi, i, Kc, kg, ki]: row = 32nb + 16h + 8hi + i, k = bk*kb + 4kg + ki."""
     return t.view(nc, 2, 2, 8, kc, bk // VNNI, VNNI)
 
 
@@ -158,7 +178,7 @@ def compensation(q: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch
     return sums.view(n // BLOCK_N, BLOCK_N, k // bk).permute(0, 2, 1).contiguous()
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, name: str = "weight") -> W4A8Packed:
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, name: str = "weight"):
     """q uint8 [N, K] (0..15), scales fp32 [K/G, N], zeros int8 [K/G, N] (0..15) -> :class:`W4A8Packed`.
 
     Callers may pack a range of 32-row blocks at a time: the bytes of rows 32a..32b are exactly rows a..b of
@@ -171,12 +191,15 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size:
     gc = k // group_size
     for t, label in ((scales, "scales"), (zeros, "zeros")):
         if list(t.shape) != [gc, n]:
-            raise EdgeqError(f"{name}.{label}: expected [{gc}, {n}] for N={n}, K={k}, G={group_size}, got {list(t.shape)}")
+            raise EdgeqError(
+                f"{name}.{label}: expected [{gc}, {n}] for N={n}, K={k}, G={group_size}, got {list(t.shape)}"
+            )
     for t, label in ((q, "q"), (zeros, "zeros")):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) > 15):
             raise EdgeqError(f"{name}.{label}: values must lie in 0..15, got {int(t.min())}..{int(t.max())}")
     if not bool(torch.isfinite(scales).all()):
         raise EdgeqError(f"{name}.scales: NaN/Inf scale(s); re-quantise")
+    _require_little_endian()
     bk = block_k(group_size)
     nc, kc = n // BLOCK_N, k // bk
     v = _nibble_view(q.to(torch.uint8).contiguous(), nc, kc, bk)  # [nc, h, hi, i, kc, kg, ki]
@@ -185,29 +208,29 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size:
     body = out[:, :, : bk * 16].view(nc, kc, bk // VNNI, 2, 8, VNNI)
     torch.bitwise_or(nib[..., 0], nib[..., 1] << 4, out=body)
     comp = compensation(q, zeros, group_size)
-    out[:, :, bk * 16 :] = comp.view(torch.uint8).view(nc, kc, COMP_BYTES)  # little-endian on x86/ARM hosts
+    out[:, :, bk * 16 :] = comp.view(torch.uint8).view(nc, kc, COMP_BYTES)  # host order: little-endian (checked)
     blocked = lambda t: t.reshape(gc, nc, BLOCK_N).permute(1, 0, 2).contiguous()  # noqa: E731
-    return W4A8Packed(qweight=out, scales=blocked(scales.to(torch.float32)), zeros=blocked(zeros.to(torch.int8)), group_size=group_size)
+    scales, zeros = blocked(scales.to(torch.float32)), blocked(zeros.to(torch.int8))
+    return W4A8Packed(qweight=out, scales=scales, zeros=zeros, group_size=group_size)
 
 
 def _words(qweight: torch.Tensor, a: int, b: int, bk: int) -> torch.Tensor:
-    """The nibble bytes of row blocks a..b-1 as int32 words [nc, kc, bk/4, 16]: word (kg, j) = the 4 VNNI bytes ki=0..3."""
+    """The nibble bytes of row blocks a..b-1 as int32 words [nc, kc, bk/4, 16]: word (kg, j) holds bytes ki = 0..3."""
     body = qweight[a:b, :, : bk * 16]
     if body.storage_offset() % 4:  # e.g. a tensor inside a memory-mapped file at an odd offset: copy this chunk only
         body = body.contiguous()
     return body.view(torch.int32).view(b - a, qweight.shape[1], bk // VNNI, 16)
 
 
-def _unpack_into(qweight: torch.Tensor, group_size: int, a: int, b: int, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """q of row blocks a..b-1 into ``out`` (uint8/int8, >= 32*(b-a)*K elements) as [32*(b-a), K]; ``tmp`` int32 scratch
-    of >= 32*(b-a)*K/8 elements.
+def _unpack_into(qweight: torch.Tensor, group_size: int, a: int, b: int, out: torch.Tensor, tmp: torch.Tensor):
+    """q of row blocks a..b-1 into ``out`` (uint8/int8, >= 32*(b-a)*K elements) as [32*(b-a), K]; ``tmp`` is int32
+    scratch of >= 32*(b-a)*K/8 elements.
 
     Words of 4 bytes move, not nibbles: the [kg, j] words of each slot are transposed to [j, kb, kg] (one int32
     copy), which puts the 4 VNNI bytes of a row next to each other, so ``word & 0x0F0F0F0F`` and
     ``(word >> 4) & 0x0F0F0F0F`` are 4 low / high nibbles already in K order: whole contiguous rows of q.
     """
-    if sys.byteorder != "little":
-        raise EdgeqError("the amx_w4a8 layout is little-endian; this host is big-endian")
+    _require_little_endian()
     bk = block_k(group_size)
     nc, kc = b - a, qweight.shape[1]
     k4 = kc * bk // VNNI
@@ -231,7 +254,8 @@ def unpack(qweight: torch.Tensor, group_size: int, blocks: tuple[int, int] | Non
     if not 0 <= a < b <= qweight.shape[0]:
         raise EdgeqError(f"unpack: block range {a}..{b} outside 0..{qweight.shape[0]}")
     n, k = (b - a) * BLOCK_N, packed_shape(qweight, group_size)[1]
-    return _unpack_into(qweight, group_size, a, b, torch.empty(n * k, dtype=torch.uint8), torch.empty(n * k // 8, dtype=torch.int32))
+    out, tmp = torch.empty(n * k, dtype=torch.uint8), torch.empty(n * k // 8, dtype=torch.int32)
+    return _unpack_into(qweight, group_size, a, b, out, tmp)
 
 
 def unpack_compensation(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -263,7 +287,7 @@ def has_vnni() -> bool:
     return False
 
 
-def _centered_block(qweight, zeros, group_size: int, a: int, b: int, scratch: torch.Tensor, subtract: bool) -> torch.Tensor:
+def _centered_block(qweight, zeros, group_size: int, a: int, b: int, scratch: torch.Tensor, subtract: bool):
     """Row blocks a..b-1 unpacked into ``scratch`` as int8 [32*(b-a), K] (K contiguous per output row): q, or q - z
     when ``subtract``. Scratch holds 1.5 bytes per weight (the int8 rows, then the int32 transposition buffer)."""
     n, k = (b - a) * BLOCK_N, qweight.shape[1] * block_k(group_size)
@@ -357,9 +381,10 @@ def _block_products(q_a, s_a, w, z, bk: int, backend: str, blockdiag: bool):
         return
     acc = torch.empty(m, w.shape[0], dtype=torch.int32 if backend == "int_mm" else torch.float32)
     t = torch.empty(m, w.shape[0])
+    wt = w.t()  # [K, cols], column-major: each block is a plain slice of rows
     for kb in range(kc):
         ks = slice(kb * bk, (kb + 1) * bk)
-        mm(q_a[:, ks], w[:, ks].t(), out=acc)
+        mm(q_a[:, ks], wt[ks], out=acc)
         yield t.copy_(acc).mul_(s_a)  # the same buffer each block: consumed before the next
 
 

@@ -72,7 +72,10 @@ def _check_finite(wf: torch.Tensor, name: str, row0: int) -> None:
     bad = ~torch.isfinite(wf)
     if bool(bad.any()):
         first = int(bad.reshape(wf.shape[0], -1).any(-1).nonzero()[0]) + row0
-        raise EdgeqError(f"{name}: {int(bad.sum())} NaN/Inf value(s) in the weight (first in row {first}); fix or re-export the checkpoint")
+        raise EdgeqError(
+            f"{name}: NaN/Inf in the weight (first at row {first}; {int(bad.sum())} in rows {row0}..{row0 + wf.shape[0] - 1}); "
+            "fix or re-export the checkpoint"
+        )
 
 
 def _params(lo: torch.Tensor, hi: torch.Tensor, r: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +156,7 @@ def quantize_w4a8(
     return W4A8Weights(q=q_out, scales=s_out, zeros=z_out, group_size=group_size)
 
 
-def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype=torch.float32) -> torch.Tensor:
+def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype=torch.float32):
     """(q - z) * s broadcast per group: q [N, K], scales/zeros [K/G, N] -> [N, K] (exact in float64, then cast)."""
     qz = q.to(torch.float64) - zeros.t().to(torch.float64).repeat_interleave(group_size, dim=1)
     return (qz * scales.t().to(torch.float64).repeat_interleave(group_size, dim=1)).to(dtype)
@@ -232,5 +235,6 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """round_fp32(a * b + c) with a single rounding, elementwise with broadcasting; a, b, c fp32."""
     a, b, c = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32), c.to(torch.float32))
     out = c.clone()
-    fma_into(a, b.to(torch.float64), out, torch.empty(out.shape, dtype=torch.float64), torch.empty(out.shape, dtype=torch.float64))
+    p, s = torch.empty(out.shape, dtype=torch.float64), torch.empty(out.shape, dtype=torch.float64)
+    fma_into(a, b.to(torch.float64), out, p, s)
     return out
