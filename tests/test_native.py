@@ -244,7 +244,7 @@ def test_env_var_off(fresh_state):
 
 def test_env_var_bad_value(fresh_state):
     fresh_state.setenv(native.ENV_ISA, "avx9000")
-    with pytest.raises(EdgeqError, match="'avx9000' is not one of avx512, avx2, scalar, off, auto"):
+    with pytest.raises(EdgeqError, match="'avx9000' is not one of amx, avx512, avx2, scalar, off, auto"):
         native.available()
     assert native.status()["available"] is False
 
@@ -267,3 +267,12 @@ def test_status_reports_build(ready):
     st = native.status()
     assert st["available"] and st["isa"] in native.ISAS and st["build_seconds"] is not None
     assert os.path.exists(st["library"]) and st["library"].startswith(str(native.cache_dir()))
+
+
+def test_one_build_per_process(fresh_state, tmp_path, ready):
+    """The build key is stable after a build (cpp_extension must not have mutated our flags), and re-loading with
+    another cache directory reuses the loaded library: a second TORCH_LIBRARY(edgeq) would abort the process."""
+    assert native.build_key()[:16] in ready["library"]
+    fresh_state.setenv(native.ENV_CACHE, str(tmp_path))
+    assert native.available() and native.status()["library"] == ready["library"]
+    assert not any(tmp_path.iterdir())

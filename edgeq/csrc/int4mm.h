@@ -39,6 +39,9 @@ constexpr int64_t kPrefetchBytes = 8192;
 void block_scalar(const Int4Args& a, int64_t row0, int s, int mode, float* ys, float* acc);
 bool block_avx2(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
 bool block_avx512(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
+bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
+// CPU has AMX-TILE/AMX-BF16 and Linux granted this process the tile state (asks once; call before block_amx).
+bool amx_usable();
 
 // fp32 -> bf16, round to nearest even, NaN kept quiet (same rule as c10::BFloat16).
 inline uint16_t f32_to_bf16(float f) {

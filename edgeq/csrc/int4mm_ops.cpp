@@ -3,7 +3,7 @@
 //   torch.ops.edgeq.int4_mm(x bf16 [M, K], qweight uint8 [N, K/2], group_size, scales_and_zeros bf16 [K/G, N, 2],
 //                           block_n, full_mode, tail_modes, isa) -> bf16 [M, N]
 //
-// isa: 0 scalar, 1 avx2, 2 avx512 (the Python side chooses it from cpu_features() and EDGEQ_NATIVE_ISA).
+// isa: 0 scalar, 1 avx2, 2 avx512, 3 amx (the Python side chooses it from cpu_features() and EDGEQ_NATIVE_ISA).
 // Rows are cut into blocks of block_n rows (mode full_mode) and one tail block of s = N % block_n rows, whose mode is
 // bit s/16 of tail_modes (modes: 0 halves, 1 adjacent; see int4mm.h);
 // threads take contiguous runs of blocks, so each thread streams one contiguous range of qweight, once.
@@ -20,15 +20,19 @@ namespace {
 using edgeq::Int4Args;
 
 int64_t cpu_features() {
-  // bit 0: avx2+fma, bit 1: the AVX512 path's set (F, BW, VL, VBMI, BF16). __builtin_cpu_supports also checks
-  // that the OS saves the wide registers.
+  // bit 0: avx2+fma, bit 1: the AVX512 path's set (F, BW, VL, VBMI, BF16), bit 2: that set + AMX-TILE/BF16 with the
+  // tile state granted by the OS. __builtin_cpu_supports also checks that the OS saves the wide registers.
+  static const int64_t features = [] {
   __builtin_cpu_init();
   int64_t f = 0;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16"))
     f |= 2;
+  if ((f & 2) && edgeq::amx_usable()) f |= 4;
   return f;
+  }();
+  return features;
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
@@ -52,8 +56,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
               "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
               scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
   TORCH_CHECK(full_mode == 0 || full_mode == 1, "full_mode must be 0 (halves) or 1 (adjacent)");
-  TORCH_CHECK(isa >= 0 && isa <= 2, "isa must be 0 (scalar), 1 (avx2) or 2 (avx512)");
-  TORCH_CHECK(isa == 0 || (cpu_features() & (isa == 1 ? 1 : 2)), "this CPU lacks the instructions of isa ", isa);
+  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
+  TORCH_CHECK(isa == 0 || (cpu_features() & (1 << (isa - 1))), "this CPU lacks the instructions of isa ", isa);
 
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -88,7 +92,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
       const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
       const int mode = static_cast<int>(b < full ? full_mode : tail_mode);
       bool done = false;
-      if (isa == 2) done = edgeq::block_avx512(a, row0, s, mode, scratch.data());
+      // amx: tiles pay off from two activation rows; for one row the AVX512 dot products measured faster.
+      if (isa == 3 && M > 1) done = edgeq::block_amx(a, row0, s, mode, scratch.data());
+      if (isa == 2 || (isa == 3 && M == 1)) done = edgeq::block_avx512(a, row0, s, mode, scratch.data());
       if (isa == 1) done = edgeq::block_avx2(a, row0, s, mode, scratch.data());
       if (!done) edgeq::block_scalar(a, row0, s, mode, scratch.data(), scratch.data() + M * 64);
     }

@@ -45,18 +45,18 @@ from edgeq.layouts import tinygemm
 
 ENV_ISA = "EDGEQ_NATIVE_ISA"
 ENV_CACHE = "EDGEQ_CACHE_DIR"
-ISAS = ("scalar", "avx2", "avx512")  # in order of preference, worst first
-_ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
-_FEATURE_BIT = {"avx2": 1, "avx512": 2}
+ISAS = ("scalar", "avx2", "avx512", "amx")  # in order of preference, worst first
+_ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
+_FEATURE_BIT = {"avx2": 1, "avx512": 2, "amx": 4}
 HALVES, ADJACENT = 0, 1  # block modes, as in edgeq/csrc/int4mm.h
 BLOCK_NS = (32, 64)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp")
+_SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp")
 _HEADERS = ("int4mm.h",)
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function")
+_LDFLAGS = ("-fopenmp",)
 
 
 @dataclass
@@ -77,6 +77,7 @@ class _State:
 _lock = threading.Lock()
 _state: _State | None = None
 _calls = 0
+_loaded_library: str | None = None  # a process can hold one build: a second TORCH_LIBRARY(edgeq) would abort it
 
 
 def cache_dir() -> Path:
@@ -97,25 +98,31 @@ def _compile(key: str) -> tuple[str, bool]:
     """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
     from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
 
+    global _loaded_library
+    if _loaded_library is not None:
+        return _loaded_library, False
     name = f"edgeq_native_{key[:16]}"
     build_dir = cache_dir() / "native" / key[:16]
     lib = build_dir / f"{name}.so"
     done = build_dir / "ok"
+    built = False
     if done.exists() and lib.exists():
         torch.ops.load_library(str(lib))
-        return str(lib), False
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
-    done.write_text(f"{torch.__version__}\n")
-    return str(lib), True
+    else:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=list(_CFLAGS),  # copies: load() appends to the lists it is given
+            extra_ldflags=list(_LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        done.write_text(f"{torch.__version__}\n")
+        built = True
+    _loaded_library = str(lib)
+    return _loaded_library, built
 
 
 def _short(err: BaseException, lines: int = 12) -> str:
@@ -138,7 +145,7 @@ def _load() -> _State:
         forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
         st.forced = None if forced == "auto" else forced
         if forced not in ISAS + ("auto", "off"):
-            st.reason = f"{ENV_ISA}={forced!r} is not one of avx512, avx2, scalar, off, auto; fix or unset it"
+            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, avx512, avx2, scalar, off, auto; fix or unset it"
             st.user_error = True
         elif forced == "off":
             st.reason = f"disabled by {ENV_ISA}=off"
@@ -157,8 +164,9 @@ def _load() -> _State:
                     st.isa = forced
                 else:
                     st.reason = (
-                        f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(st.cpu_isas)}; avx512 needs "
-                        f"AVX512 F/BW/VL/VBMI/BF16, avx2 needs AVX2+FMA); unset it or choose one of those"
+                        f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(st.cpu_isas)}; amx needs the avx512 set plus "
+                        f"AMX-TILE/AMX-BF16 granted by Linux, avx512 needs AVX512 F/BW/VL/VBMI/BF16, avx2 needs "
+                        f"AVX2+FMA); unset it or choose one of those"
                     )
                     st.user_error = True
                 if st.isa:

@@ -1,0 +1,168 @@
+// AMX path (AMX-TILE + AMX-BF16 on top of the AVX512 path's set): full "halves" blocks of 32 or 64 rows.
+//
+// The weights are decoded exactly as in int4mm_avx512.cpp (vpermb, shift, ternlog -> bf16 pairs 1 + q/16 for rows j
+// at k and k+1), but instead of one vdpbf16ps per activation row the 16 decoded k-pairs of a 16-row vector are
+// stored as one 1 KB B tile (VNNI layout: tile row = k pair, 16 dword columns = 16 output rows) and multiplied by
+// the A tile = up to 16 activation rows x 32 k, read straight from x, with one tdpbf16ps into an fp32 C tile. The
+// decode is done once per weight byte for up to 16 activation rows, so M = 1..16 cost about the same.
+// Per group the C tiles are stored and scaled exactly as in the AVX512 path:
+//     sum_k x w = 16 scale D + (zero - 24 scale) xs,   D = sum x (1 + q/16).
+// Tiles: 0-3 C (one per 16-row vector v and nibble h), 4 A, 5-7 B. The tile configuration is loaded per block and
+// released after it, so whatever else runs on the thread (oneDNN also uses AMX) finds the tiles as it expects.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
+#include <cstring>
+
+#include "int4mm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,amx-tile,amx-bf16")
+
+namespace edgeq {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline __m512i pair_index(int bytes_per_k, int v) {
+  alignas(64) uint8_t idx[64] = {0};
+  for (int l = 0; l < 16; ++l) {
+    idx[4 * l] = static_cast<uint8_t>(16 * v + l);
+    idx[4 * l + 2] = static_cast<uint8_t>(bytes_per_k + 16 * v + l);
+  }
+  return _mm512_load_si512(idx);
+}
+
+template <int S>
+inline __m512i load_pair(const uint8_t* p) {
+  if constexpr (S == 64) return _mm512_loadu_si512(p);
+  else return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Decode 32 k (16 pairs) of the block into B tiles bt[v][h]: 16 rows of 16 (w_k, w_k+1) bf16 pairs each.
+template <int S>
+inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][16 * 32]) {
+  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  for (int p = 0; p < 16; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
+    const __m512i r = load_pair<S>(w + p * S);
+    for (int v = 0; v < S / 32; ++v) {
+      const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
+      _mm512_store_si512(bt[v][0] + p * 32, _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA));
+      _mm512_store_si512(bt[v][1] + p * 32, _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA));
+    }
+  }
+}
+
+template <int S>
+void block_halves(const Int4Args& a, int64_t row0, float* ys) {
+  constexpr int NV = S / 32;
+  const int64_t M = a.M, K = a.K, G = a.G, ng = K / G;
+  const uint8_t* w = a.qw + row0 * (K / 2);
+  __m512i idx[NV];
+  for (int v = 0; v < NV; ++v) idx[v] = pair_index(S / 2, v);
+  alignas(64) uint16_t bt[2][NV][2][16 * 32];  // double-buffered: decode the next 32 k while tiles read the last
+  alignas(64) float cbuf[NV][2][16 * 16];
+  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int mt = static_cast<int>(M - m0 < 16 ? M - m0 : 16);
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(mt), cfg.colsb[t] = 64;  // C: mt x 16 fp32
+    cfg.rows[4] = static_cast<uint8_t>(mt), cfg.colsb[4] = 64;                             // A: mt x 32 bf16
+    for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;                      // B: 16 pairs x 16
+    _tile_loadconfig(&cfg);
+    const uint16_t* x = a.x + m0 * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (NV == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+        auto& b = bt[(k0 / 32) & 1];
+        decode_32k<S>(w + k0 * (S / 2), idx, b);
+        _tile_loadd(4, x + k0, K * 2);
+        _tile_loadd(5, b[0][0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b[0][1], 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if constexpr (NV == 2) {
+          _tile_loadd(7, b[1][0], 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, b[1][1], 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, cbuf[0][0], 64);
+      _tile_stored(1, cbuf[0][1], 64);
+      if constexpr (NV == 2) {
+        _tile_stored(2, cbuf[1][0], 64);
+        _tile_stored(3, cbuf[1][1], 64);
+      }
+      const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+      for (int i = 0; i < S * 4; i += 64)  // next block's scales for this group (strided by N)
+        _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
+      for (int v = 0; v < NV; ++v)
+        for (int h = 0; h < 2; ++h) {
+          const int r = h * (S / 2) + 16 * v;
+          const __m512i d = _mm512_loadu_si512(sz + 2 * r);
+          const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+          const __m512 zr =
+              _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          const __m512 c_dot = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+          const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+          for (int m = 0; m < mt; ++m) {
+            float* yp = ys + (m0 + m) * S + r;
+            __m512 y = _mm512_loadu_ps(yp);
+            y = _mm512_fmadd_ps(c_dot, _mm512_load_ps(cbuf[v][h] + m * 16), y);
+            y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
+            _mm512_storeu_ps(yp, y);
+          }
+        }
+    }
+    _tile_release();
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < S; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+}
+
+}  // namespace
+
+bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
+  if (mode != kHalves) return false;
+  if (s == 64) return block_halves<64>(a, row0, ys), true;
+  if (s == 32) return block_halves<32>(a, row0, ys), true;
+  return false;
+}
+
+}  // namespace edgeq
+
+#pragma GCC pop_options
+
+namespace edgeq {
+
+bool amx_usable() {
+  // CPUID.(7,0):EDX bit 24 AMX-TILE, bit 22 AMX-BF16; then ask Linux for the tile data state (process-wide, once).
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace edgeq
