@@ -1,0 +1,338 @@
+"""The runtime side of W4A8 (``kernel: amx_w4a8`` checkpoints): validation, the quantised module, and the swap.
+
+- :func:`read_info` validates config.json + edgeq_manifest.json of an ``amx_w4a8`` checkpoint (None for any other
+  checkpoint, which the W4A16 reader handles): format version, kernel, scheme, and the layout record, which must
+  equal :func:`edgeq.layouts.w4a8.fingerprint` of the group size exactly (the bytes are fixed by the kernel's
+  source, so there is nothing to repack: a different record is refused with both records' versions).
+- :class:`W4A8Linear`: ``y = W4A8(x)`` over the mapped ``M.qweight`` / ``M.scales`` / ``M.zeros`` (never copied),
+  for every M through one path chosen at load: the portable path :func:`edgeq.layouts.w4a8.w4a8_linear` (bit-exact
+  in bf16 to the kernel's arithmetic), or a compiled ``int4_scaled_mm_cpu`` (sglang's ``sgl_kernel`` or vLLM's
+  ``_C``) when one is importable **and** agrees with the portable path bit for bit on a probe.
+- :func:`swap_w4a8`: what the loader calls instead of its W4A16 swap. Returns the consumed tensor names, mapped and
+  copied bytes, and the settings that say which path runs (``decode_path`` / ``prefill_path``: ``w4a8_portable`` or
+  ``w4a8_kernel``; the same counter names in the runtime's Counter, one count per module call).
+
+The path is never chosen silently: ``settings["w4a8_kernel"]`` says what was found and why it is or is not used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import w4a8 as layout
+from edgeq.scheme import Scheme
+
+KERNEL = layout.KERNEL
+MANIFEST = "edgeq_manifest.json"
+PORTABLE = "w4a8_portable"
+COMPILED = "w4a8_kernel"
+PROBE_SHAPES = ((1, 64, 256), (5, 96, 256))  # (M, N, K): decode and a small prefill, several 32-row blocks
+
+
+@dataclass(frozen=True)
+class W4A8Info:
+    """A validated ``amx_w4a8`` checkpoint record (config.json + manifest)."""
+
+    format_version: int
+    scheme: Scheme
+    kernel: str
+    layout: dict
+    quantized_modules: tuple[str, ...]
+    head_name: str
+    head_source: str
+    untied: bool
+    modules_not_converted: tuple[tuple[str, str], ...]
+
+    @property
+    def layout_hash(self) -> str:
+        return str(self.layout.get("layout_hash"))
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise EdgeqError(f"{path}: missing") from e
+    except ValueError as e:
+        raise EdgeqError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise EdgeqError(f"{path}: expected a JSON object")
+    return data
+
+
+def is_w4a8_config(config: dict) -> bool:
+    """True when config.json's quantization_config says ``kernel: amx_w4a8`` (cheap; no manifest read)."""
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "edgeq" and qc.get("kernel") == KERNEL
+
+
+def read_info(directory: str | Path, config: dict) -> W4A8Info | None:
+    """A validated W4A8Info for an ``amx_w4a8`` checkpoint; None for anything else (plain HF, W4A16)."""
+    directory = Path(directory)
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "edgeq":
+        return None
+    where = directory / MANIFEST
+    m = _read_json(where)
+    kernel, cfg_kernel = m.get("kernel"), qc.get("kernel")
+    if KERNEL not in (kernel, cfg_kernel):
+        return None
+    if kernel != cfg_kernel:
+        raise EdgeqError(f"{directory}: config.json says kernel {cfg_kernel!r} but {MANIFEST} says {kernel!r}; the "
+                         "checkpoint is inconsistent, re-quantise it")
+    version = m.get("format_version")
+    if version != 1 or qc.get("format_version") != version:
+        raise EdgeqError(f"{where}: format_version {version!r} (config.json says {qc.get('format_version')!r}); this "
+                         "edgeq reads [1]: upgrade edgeq or re-quantise")
+    scheme = Scheme.parse(str(m.get("scheme", "")))
+    if scheme.kernel != KERNEL or int(qc.get("group_size", scheme.group_size)) != scheme.group_size \
+            or str(qc.get("scheme", scheme)) != str(scheme):
+        raise EdgeqError(f"{where}: scheme {scheme} does not match kernel {KERNEL!r} / config.json's scheme "
+                         f"{qc.get('scheme')!r}, group_size {qc.get('group_size')!r}; the checkpoint is inconsistent")
+    want = layout.fingerprint(scheme.group_size)
+    for label, record in ((MANIFEST, m.get("layout")), ("config.json quantization_config", qc.get("layout"))):
+        if record != want:
+            got = record if isinstance(record, dict) else {}
+            raise EdgeqError(
+                f"{directory}: {label} layout record (op {got.get('op')!r}, version {got.get('version')!r}, block_k "
+                f"{got.get('block_k')!r}, hash {str(got.get('layout_hash'))[:12]}) is not the amx_w4a8 layout this "
+                f"edgeq reads (version {want['version']}, block_k {want['block_k']}, hash {want['layout_hash'][:12]}); "
+                "re-quantise with this edgeq or upgrade edgeq"
+            )
+    modules = m.get("quantized_modules")
+    if not isinstance(modules, list) or not modules or not all(isinstance(x, str) for x in modules):
+        raise EdgeqError(f"{where}: quantized_modules must be a non-empty list of module names")
+    head = m.get("head") or {}
+    head_name = head.get("name", "lm_head")
+    if not head.get("quantized", False) or head_name not in modules:
+        raise EdgeqError(f"{where}: the output head {head_name!r} is not recorded as quantised; edgeq checkpoints "
+                         "always quantise the head, re-quantise")
+    mnc = m.get("modules_not_converted") or {}
+    if isinstance(mnc, list):
+        mnc = {name: "" for name in mnc}
+    return W4A8Info(
+        format_version=version, scheme=scheme, kernel=KERNEL, layout=dict(want), quantized_modules=tuple(modules),
+        head_name=head_name, head_source=str(head.get("source", "")), untied=bool(head.get("untied", False)),
+        modules_not_converted=tuple(sorted((str(k), str(v)) for k, v in mnc.items())),
+    )
+
+
+# --- the compiled kernel, when importable --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What W4A8 runs here: ``fn`` (a compiled op with the portable path's signature) or None for the portable path,
+    and one line saying why."""
+
+    path: str  # PORTABLE | COMPILED
+    fn: Callable | None
+    source: str  # "portable" | "sgl_kernel" | "vllm._C"
+    reason: str
+
+
+def compiled_candidates() -> list[tuple[str, Callable]]:
+    """Importable compiled ``int4_scaled_mm_cpu`` ops as (source, op); importing is attempted only for installed
+    packages (``find_spec``), and any failure means "not available", never an exception."""
+    found = []
+    for source, module, ns in (("sgl_kernel", "sgl_kernel", "sgl_kernel"), ("vllm._C", "vllm._C", "_C")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            continue
+        try:
+            importlib.import_module(module)
+            found.append((source, getattr(getattr(torch.ops, ns), "int4_scaled_mm_cpu")))
+        except Exception:  # noqa: BLE001 - a broken or CPU-less build is simply not available
+            continue
+    return found
+
+
+def _as_linear(op: Callable) -> Callable:
+    """The op's argument order (x, w, w_zeros, w_scales, fp32 bias) behind the portable path's (x, q, s, z, G, bias)."""
+    def fn(x2, qweight, scales, zeros, group_size, bias=None):
+        return op(x2, qweight, zeros, scales, bias.to(torch.float32) if bias is not None else None)
+    return fn
+
+
+def _probe_case(m: int, n: int, k: int, group_size: int, seed: int):
+    from edgeq.quantize.w4a8 import quantize_w4a8
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-3, 3, (n, 1), generator=g).float())
+    qw = quantize_w4a8(w, group_size, name="w4a8 probe")
+    packed = layout.pack(qw.q, qw.scales, qw.zeros, group_size, name="w4a8 probe")
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return x, packed, bias
+
+
+def probe(fn: Callable, group_size: int) -> tuple[bool, str]:
+    """Does ``fn`` give the portable path's bf16 bits (with the fused FMA, or the unfused multiply-add) on probe
+    cases (decode and a small prefill, with and without bias)? Returns (agrees, what was compared)."""
+    for i, (m, n, k) in enumerate(PROBE_SHAPES):
+        x, p, bias = _probe_case(m, n, k, group_size, seed=1234 + i)
+        for b in (None, bias):
+            try:
+                got = fn(x, p.qweight, p.scales, p.zeros, group_size, b)
+            except Exception as e:  # noqa: BLE001 - a kernel that throws on the probe is not used
+                return False, f"raised {type(e).__name__}: {str(e)[:120]} on M={m}, N={n}, K={k}"
+            if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16 or tuple(got.shape) != (m, n):
+                return False, f"returned {getattr(got, 'dtype', type(got))} {list(getattr(got, 'shape', []))}, expected bf16 [{m}, {n}]"
+            refs = [layout.w4a8_linear(x, p.qweight, p.scales, p.zeros, group_size, b, fused=f) for f in (True, False)]
+            if not any(torch.equal(got.view(torch.int16), r.view(torch.int16)) for r in refs):
+                diff = (got.float() - refs[0].float()).abs().max().item()
+                return False, f"differs from the portable path on M={m}, N={n}, K={k} (max |diff| {diff:.3g})"
+    return True, f"bit-equal to the portable path on {len(PROBE_SHAPES) * 2} probe cases"
+
+
+def choose_kernel(group_size: int, use_compiled: bool = True,
+                  candidates: Callable[[], list[tuple[str, Callable]]] | None = None) -> KernelChoice:
+    """The compiled op when one is importable and passes :func:`probe`, else the portable path, with the reason."""
+    if not use_compiled:
+        return KernelChoice(PORTABLE, None, "portable", "compiled kernel not requested")
+    found = (candidates or compiled_candidates)()
+    if not found:
+        return KernelChoice(PORTABLE, None, "portable",
+                            "no compiled int4_scaled_mm_cpu importable (sgl_kernel, vllm._C); portable path")
+    notes = []
+    for source, op in found:
+        fn = _as_linear(op)
+        ok, why = probe(fn, group_size)
+        if ok:
+            return KernelChoice(COMPILED, fn, source, f"{source} int4_scaled_mm_cpu: {why}")
+        notes.append(f"{source} int4_scaled_mm_cpu {why}")
+    return KernelChoice(PORTABLE, None, "portable", "; ".join(notes) + "; using the portable path")
+
+
+def portable_description() -> str:
+    """Which products and which FMA the portable path uses on this machine."""
+    backend = "torch._int_mm (AVX512-VNNI/AMX)" if layout.has_vnni() else "exact fp32 GEMM on integers"
+    fma = "addcmul (checked single-rounding FMA)" if layout.addcmul_is_fma() else "exact float64 FMA emulation"
+    return f"portable: {backend}, {fma}"
+
+
+# --- the module ----------------------------------------------------------------------------------------------------
+
+
+class W4A8Linear(nn.Module):
+    """y = x @ W.T + bias with int8 per-token activations and the amx_w4a8 packed weight (docs/w4a8.md).
+
+    ``qweight`` uint8 [N/32, K/bk, bk*16+128], ``scales`` fp32 [N/32, K/G, 32], ``zeros`` int8 [N/32, K/G, 32] are
+    plain attributes (mapped views; ``.to()`` / ``state_dict()`` never copy them). Every call, whatever M, runs
+    the path chosen at load (``path``) and adds one to ``counts[path]``. Output bf16.
+    """
+
+    edgeq_quantized = True
+
+    def __init__(self, name: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None, counts, choice: KernelChoice | None = None):
+        super().__init__()
+        self.name = name
+        self.out_features, self.in_features = layout.check_packed(name, qweight, scales, zeros, group_size)
+        self.group_size = group_size
+        self.qweight = qweight
+        self.scales = scales
+        self.zeros = zeros
+        if bias is not None and list(bias.shape) != [self.out_features]:
+            raise EdgeqError(f"{name}.bias: expected [{self.out_features}], got {list(bias.shape)}")
+        self.bias = bias
+        self.counts = counts
+        self.choice = choice or KernelChoice(PORTABLE, None, "portable", "default")
+        self.path = self.choice.path
+
+    def extra_repr(self) -> str:
+        return (f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, "
+                f"w4a8 {self.choice.source}")
+
+    @property
+    def scratch_elems(self) -> int:
+        return 0  # the portable path's scratch is per call (bounded, freed on return), nothing shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        return self.linear2d(x2.contiguous()).reshape(*shape[:-1], self.out_features)
+
+    def linear2d(self, x2: torch.Tensor) -> torch.Tensor:
+        """y bf16 [M, N] (a new tensor) for a contiguous bf16 x2 [M, K]; the bias is the kernel's fp32 starting value.
+        The lean decode loop (edgeq/runtime/lean.py) calls this directly, as it does Int4Linear's."""
+        self.counts[self.path] += 1
+        if self.choice.fn is not None:
+            return self.choice.fn(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        return layout.w4a8_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias, name=self.name)
+
+
+def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: bool = True,
+              choice: KernelChoice | None = None) -> tuple[set[str], int, int, dict]:
+    """Replace every quantised ``nn.Linear`` listed in ``info`` by a :class:`W4A8Linear` over the mapped tensors.
+
+    ``files`` is the loader's MappedFiles (``get(name)`` -> mapped tensor, ``name in files``). Returns (consumed tensor
+    names, mapped bytes, copied bytes, settings). Refuses, naming the module: a module the model does not have or
+    that is not a Linear, missing or mis-shaped tensors, a shape that differs from config.json, a bias the model
+    needs but the checkpoint lacks, and ``M.perm`` (act-order is not supported with W4A8).
+    """
+    g = info.scheme.group_size
+    choice = choice or choose_kernel(g, use_compiled)
+    consumed: set[str] = set()
+    mapped = copied = 0
+    for name in info.quantized_modules:
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as e:
+            raise EdgeqError(f"manifest lists quantised module {name} but the model built from config.json has no such module") from e
+        if not isinstance(old, nn.Linear):
+            raise EdgeqError(f"{name}: listed as quantised but is a {type(old).__name__}, not a Linear")
+        if f"{name}.perm" in files:
+            raise EdgeqError(f"{name}.perm: an input permutation (act-order) is not supported with the amx_w4a8 "
+                             "kernel; the checkpoint is inconsistent, re-quantise it")
+        parts = {}
+        for suffix in (".qweight", ".scales", ".zeros"):
+            if f"{name}{suffix}" not in files:
+                raise EdgeqError(f"{name}: the checkpoint has no {name}{suffix} (amx_w4a8 modules store qweight, "
+                                 "scales and zeros); it is incomplete, re-quantise it")
+            parts[suffix] = files.get(f"{name}{suffix}")
+        n, k = layout.check_packed(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g)
+        if (n, k) != (old.out_features, old.in_features):
+            raise EdgeqError(f"{name}: packed weight is [{n}, {k}] but config.json implies [{old.out_features}, {old.in_features}]")
+        mapped += sum(t.numel() * t.element_size() for t in parts.values())
+        consumed.update(f"{name}{s}" for s in parts)
+        bias = None
+        if old.bias is not None:
+            if f"{name}.bias" not in files:
+                raise EdgeqError(f"{name}: the model has a bias but the checkpoint has no {name}.bias")
+            bias = files.get(f"{name}.bias")
+            if bias.dtype != torch.bfloat16:
+                bias = bias.to(torch.bfloat16)
+                copied += bias.numel() * 2
+            else:
+                mapped += bias.numel() * 2
+            consumed.add(f"{name}.bias")
+        _set_module(model, name, W4A8Linear(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g, bias,
+                                            counts, choice))
+    settings = {
+        "decode_path": choice.path,
+        "prefill_path": choice.path,
+        "kernel_paths": ((str(info.scheme), f"{choice.path} (all M)"),),
+        "w4a8_kernel": choice.reason,
+        "w4a8_compute": portable_description() if choice.fn is None else f"compiled: {choice.source}",
+        "layout_hash": info.layout_hash,
+        "scratch_bytes": 0,
+    }
+    return consumed, mapped, copied, settings
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
