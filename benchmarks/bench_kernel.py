@@ -4,8 +4,10 @@ One "pass" runs one decode step's worth of matmuls of a real model shape (every 
 and the 4-bit head; Qwen2.5-1.5B: 28 layers, 0.82 GB packed), each weight its own tensor, so nothing stays in the
 300 MB L3 between uses. Arms are interleaved pass by pass (A B, then B A, ...) on the same weights and activations;
 the report gives median / min / max over passes of GB/s of packed weight bytes read (qweight + scales_and_zeros)
-and the median of the per-pass-pair ratios native / aten. Wall-clock time: on a shared machine, other processes
-slow both arms alike, and the spread shows how much.
+and the median of the per-pass ratios time(aten) / time(arm). Wall-clock time: on a shared machine, other processes
+slow both arms alike, and the spread shows how much. With --threads 1 a "cpu GB/s" column (bytes per second of
+CPU time the thread got) shows the kernel's own speed when the machine is oversubscribed. With 2 threads on an
+oversubscribed machine every call waits for its slower thread (OpenMP barrier): look at the load average printed.
 
     python benchmarks/bench_kernel.py                         # qwen2.5-1.5b shapes, M = 1, 4, 8, 2 threads, 5 passes
     python benchmarks/bench_kernel.py --arms aten,avx512,avx2 --m 1 --passes 7 --json /tmp/kernel.json
@@ -65,11 +67,12 @@ def arm_fn(arm: str, group: int):
     return lambda x, qw, sz: native.int4_mm(x, qw, group, sz, isa=isa)
 
 
-def run_pass(fn, mats, xs) -> float:
-    t0 = time.perf_counter()
+def run_pass(fn, mats, xs) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread: with one thread, the time the kernel had a core)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _, qw, sz in mats:
         fn(xs[qw.shape[1] * 2], qw, sz)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def check(arms, mats, group: int) -> None:
@@ -92,10 +95,13 @@ def bench(arms, mats, ms, passes: int, group: int) -> list[dict]:
         for fn in fns.values():  # warm-up: page in, build plans, spin up the thread pool
             run_pass(fn, mats[:8], xs)
         times = {arm: [] for arm in arms}
+        cpu = {arm: [] for arm in arms}
         for p in range(passes):
             order = arms if p % 2 == 0 else list(reversed(arms))
             for arm in order:
-                times[arm].append(run_pass(fns[arm], mats, xs))
+                wall, c = run_pass(fns[arm], mats, xs)
+                times[arm].append(wall)
+                cpu[arm].append(c)
         for arm in arms:
             gbs = [nbytes / t / 1e9 for t in times[arm]]
             row = {
@@ -106,6 +112,8 @@ def bench(arms, mats, ms, passes: int, group: int) -> list[dict]:
                 "gb_s_max": max(gbs),
                 "ms_per_step_median": 1e3 * statistics.median(times[arm]),
             }
+            if torch.get_num_threads() == 1:  # CPU time is only the kernel's own work with one thread
+                row["cpu_gb_s_median"] = statistics.median(nbytes / c / 1e9 for c in cpu[arm])
             if arm != arms[0]:
                 ratios = [b / a for a, b in zip(times[arm], times[arms[0]])]  # time(base) / time(arm), per pass
                 row["speedup_vs_" + arms[0]] = statistics.median(ratios)
@@ -151,12 +159,15 @@ def main() -> None:
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(meta))
-    print(f"{'M':>3} {'arm':>8} {'GB/s med':>9} {'min':>6} {'max':>6} {'ms/step':>8}  speedup (min..max)")
+    cpu_col = a.threads == 1
+    print(f"{'M':>3} {'arm':>8} {'GB/s med':>9} {'min':>6} {'max':>6} {'ms/step':>8}"
+          + (f" {'cpu GB/s':>9}" if cpu_col else "") + "  speedup (min..max)")
     for r in rows:
         sp = next((k for k in r if k.startswith("speedup_vs_")), None)
         extra = f"  {r[sp]:.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f}) vs {sp[11:]}" if sp else ""
+        cpu_txt = f" {r['cpu_gb_s_median']:9.2f}" if cpu_col else ""
         print(f"{r['m']:>3} {r['arm']:>8} {r['gb_s_median']:9.2f} {r['gb_s_min']:6.2f} {r['gb_s_max']:6.2f} "
-              f"{r['ms_per_step_median']:8.1f}{extra}")
+              f"{r['ms_per_step_median']:8.1f}{cpu_txt}{extra}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
