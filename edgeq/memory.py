@@ -128,6 +128,15 @@ def scratch(modules: Iterable[tuple[str, int, int]], block_n: int) -> tuple[str,
     return best
 
 
+W4A8_CALL_SCRATCH = 2 << 20  # edgeq.layouts.w4a8.w4a8_linear's default scratch_bytes
+
+
+def w4a8_scratch() -> tuple[str, int]:
+    """amx_w4a8 checkpoints: the runtime allocates no shared scratch at load (0 bytes); the portable path allocates
+    about W4A8_CALL_SCRATCH per call (at least one 32-row block) and frees it on return, so it is not resident."""
+    return (f"none at load; the W4A8 portable path takes ~{W4A8_CALL_SCRATCH >> 20} MiB per call, freed on return", 0)
+
+
 def project(
     geometry: KVGeometry,
     tensors: Iterable[Tensor],

@@ -36,7 +36,8 @@ from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.safetensors_io import DTYPES, FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
 from edgeq.errors import EdgeqError, ThresholdError
 from edgeq.layouts import tinygemm
-from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch
+from edgeq.layouts import w4a8 as w4a8_layout
+from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch, w4a8_scratch
 from edgeq.memory import Tensor as MemTensor
 from edgeq.scheme import Scheme
 
@@ -285,6 +286,10 @@ def _unquantized_linears(rows: list[TensorRow]) -> list[TensorRow]:
 def _edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list[str], warnings: list[str]):
     manifest = read_manifest(ckpt.root)
     qmods = {m: p for m, p in _quant_modules(ckpt).items()}
+    if manifest.kernel == w4a8_layout.KERNEL:  # ".zeros" is no foreign format's suffix: claim it for listed modules only
+        for m in manifest.quantized_modules:
+            if f"{m}.zeros" in ckpt.tensors:
+                qmods.setdefault(m, {})[".zeros"] = ckpt.tensors[f"{m}.zeros"]
     roles = {name: t.get("role", "other") for name, t in manifest.tensors.items() if isinstance(t, dict)}
     rows = _rows(ckpt, recipe, qmods, roles)
     _check_manifest(ckpt, manifest, problems)
@@ -314,6 +319,13 @@ def _edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list
 
 def _itemsize(code: str) -> int:
     return DTYPES[code][1]
+
+
+def _group_size_or_none(scheme: str) -> int | None:
+    try:
+        return Scheme.parse(scheme).group_size
+    except EdgeqError:
+        return None
 
 
 def _group_size(scheme: str, problems: list[str]) -> int | None:
@@ -356,6 +368,8 @@ def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems
     modules = {}
     if HEAD_MODULE not in manifest.quantized_modules:
         problems.append(f"{MANIFEST}: {HEAD_MODULE} is not among the quantised modules; edgeq always quantises the head")
+    if manifest.kernel == w4a8_layout.KERNEL:
+        return _w4a8_modules(ckpt, manifest, g, problems)
     for m in manifest.quantized_modules:
         qw, sz = ckpt.tensors.get(f"{m}.qweight"), ckpt.tensors.get(f"{m}.scales_and_zeros")
         if qw is None or sz is None:
@@ -376,8 +390,55 @@ def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems
     return modules
 
 
+def _w4a8_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems: list[str]) -> dict[str, QModule]:
+    """amx_w4a8 modules (docs/w4a8.md): qweight U8 [N/32, K/bk, bk*16+128], scales F32 and zeros I8 [N/32, K/G, 32]."""
+    modules = {}
+    bk = w4a8_layout.block_k(g) if g in w4a8_layout.GROUP_SIZES else None
+    for m in manifest.quantized_modules:
+        parts = [ckpt.tensors.get(f"{m}{s}") for s in (".qweight", ".scales", ".zeros")]
+        qw, sc, zp = parts
+        if None in parts:
+            missing = [s for s, t in zip(("qweight", "scales", "zeros"), parts) if t is None]
+            problems.append(f"{m}: quantised module without {', '.join(missing)} (amx_w4a8 stores qweight, scales, zeros)")
+            continue
+        if bk is None or qw.dtype != "U8" or len(qw.shape) != 3 or qw.shape[2] != bk * 16 + w4a8_layout.COMP_BYTES:
+            problems.append(f"{m}.qweight: expected U8 [N/32, K/{bk}, {(bk or 0) * 16 + w4a8_layout.COMP_BYTES}] for "
+                            f"G={g}, got {qw.dtype} {list(qw.shape)}")
+            continue
+        n, k = qw.shape[0] * w4a8_layout.BLOCK_N, qw.shape[1] * bk
+        want = [qw.shape[0], k // g, w4a8_layout.BLOCK_N]
+        for info, code in ((sc, "F32"), (zp, "I8")):
+            if info.dtype != code or list(info.shape) != want:
+                problems.append(f"{info.name}: expected {code} {want} for N={n}, K={k}, G={g}; got {info.dtype} "
+                                f"{list(info.shape)} (the kernel does not check this and would read out of bounds)")
+        nbytes = qw.nbytes + sc.nbytes + zp.nbytes
+        modules[m] = QModule(m, n, k, n * k, 8 * nbytes / (n * k) if n * k else None, g, nbytes)
+    return modules
+
+
+def _w4a8_layout(manifest: Manifest, g: int | None, problems: list[str]):
+    """amx_w4a8: the layout is fixed by the kernel's source, so the record must equal this edgeq's fingerprint; the
+    path load will take is the one the runtime chooses here (a compiled kernel only after its probe)."""
+    stored = dict(manifest.layout)
+    if g not in w4a8_layout.GROUP_SIZES:
+        return stored, None, False, "refused: the scheme's group size is not a W4A8 one"
+    want = w4a8_layout.fingerprint(g)
+    if stored != want:
+        problems.append(f"{MANIFEST}: amx_w4a8 layout record (version {stored.get('version')!r}, block_k "
+                        f"{stored.get('block_k')!r}, hash {str(stored.get('layout_hash'))[:12]}) is not the one this "
+                        f"edgeq reads (version {want['version']}, block_k {want['block_k']}, hash "
+                        f"{want['layout_hash'][:12]}); load refuses it, re-quantise")
+        return stored, want, False, "refused: unknown amx_w4a8 layout record"
+    from edgeq.runtime.w4a8linear import choose_kernel  # noqa: PLC0415 - torch only; no transformers
+
+    choice = choose_kernel(g)
+    return stored, want, True, f"zero-copy: the layout is fixed by the kernel's source; every M runs {choice.path} ({choice.reason})"
+
+
 def _layout(ckpt, manifest, modules, strict_layout, problems, warnings):
     """(stored fingerprint, machine fingerprint, matches, what load will do)."""
+    if manifest.kernel == w4a8_layout.KERNEL:
+        return _w4a8_layout(manifest, _group_size_or_none(manifest.scheme), problems)
     stored_fp = {k: v for k, v in manifest.layout.items() if k != "perms"}
     try:
         stored = tinygemm.TinygemmLayout.from_json(manifest.layout)
@@ -708,6 +769,8 @@ def _check_values(info: TensorInfo, kind: str) -> list[str]:
 
 def _roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule], problems: list[str]) -> list[str]:
     """Unpack then pack with the stored layout must give back the stored bytes, on a sample of modules."""
+    if manifest.kernel == w4a8_layout.KERNEL:
+        return _w4a8_roundtrip(ckpt, manifest, modules, problems)
     try:
         layout = tinygemm.TinygemmLayout.from_json(manifest.layout)
     except EdgeqError:
@@ -732,6 +795,34 @@ def _roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule]
             diff = int((again != stored).sum())
             problems.append(f"{m}.qweight: unpack/repack with the stored layout changes {diff} byte(s); the layout "
                             "record does not describe these bytes")
+            continue
+        done.append(m)
+    return done
+
+
+def _w4a8_roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule], problems: list[str]) -> list[str]:
+    """amx_w4a8: unpack + pack must give back the stored bytes, the int32 compensation after every slot included
+    (a stale compensation would shift every output of the kernel), on the head and one module of each shape."""
+    picks = [HEAD_MODULE] if HEAD_MODULE in modules else []
+    shapes = {(modules[m].n, modules[m].k) for m in picks}
+    for m in sorted(modules):
+        if len(picks) < ROUNDTRIP_SAMPLE and (modules[m].n, modules[m].k) not in shapes:
+            picks.append(m)
+            shapes.add((modules[m].n, modules[m].k))
+    done = []
+    for m in picks:
+        g = modules[m].group_size
+        qw, sc, zp = (read_tensor(ckpt.tensors[f"{m}{s}"]) for s in (".qweight", ".scales", ".zeros"))
+        try:
+            again = w4a8_layout.pack(w4a8_layout.unpack(qw, g), w4a8_layout.unpack_params(sc),
+                                     w4a8_layout.unpack_params(zp), g, name=m)
+        except EdgeqError as e:
+            problems.append(f"{m}: unpack/repack failed ({e})")
+            continue
+        if not torch.equal(again.qweight, qw):
+            diff = int((again.qweight != qw).sum())
+            problems.append(f"{m}.qweight: unpack/repack changes {diff} byte(s) (nibbles or the int32 compensation after "
+                            "each slot do not agree with the zeros); the kernel would compute wrong outputs")
             continue
         done.append(m)
     return done
@@ -810,8 +901,10 @@ def inspect_checkpoint(
     geometry = kv_geometry(ckpt.config)
     if kind == "edgeq":
         info, rows, modules, params, bits, manifest = _edgeq(ckpt, rec, strict_layout, problems, warnings)
-        memory = _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len, repack=not info.layout_matches)
-        basis = "as stored" + ("" if info.layout_matches else "; qweights repacked into anonymous memory at load")
+        w4 = info.kernel == w4a8_layout.KERNEL
+        memory = _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len,
+                               repack=not info.layout_matches and not w4, kernel=info.kernel)
+        basis = "as stored" + ("" if info.layout_matches or w4 else "; qweights repacked into anonymous memory at load")
     elif kind == "hf":
         rows = _rows(ckpt, rec, {})
         params = sum(r.bytes // _itemsize(r.dtype) for r in rows)
@@ -856,7 +949,11 @@ def _block_n() -> int:
         return 64
 
 
-def _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len, repack) -> MemoryProjection:
+def _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len, repack, kernel: str = "") -> MemoryProjection:
+    if kernel == w4a8_layout.KERNEL:
+        parts = {f"{m}{s}" for m in modules for s in (".qweight", ".scales", ".zeros")}
+        tensors = [MemTensor(n, i.dtype, i.numel, i.nbytes, packed=n in parts) for n, i in ckpt.tensors.items()]
+        return project(geometry, tensors, w4a8_scratch(), kv_cache_bytes, max_model_len, False)
     parts = {f"{m}.qweight" for m in modules} | {f"{m}.scales_and_zeros" for m in modules}
     tensors = [MemTensor(n, i.dtype, i.numel, i.nbytes, packed=n in parts, qweight=n.endswith(".qweight") and n in parts)
                for n, i in ckpt.tensors.items()]
@@ -934,9 +1031,15 @@ def _render_edgeq(report: InspectReport, out) -> None:
               f"quantised weight, {report.bits_per_parameter:.2f} bits per parameter overall", highlight=False)
     s = e.layout_stored
     color = "green" if e.layout_matches else "yellow"
-    out.print(f"  layout {str(s.get('layout_hash'))[:12]} ({s.get('cpu_capability')}, block {s.get('block_n')}, torch "
-              f"{s.get('torch_version')}): [{color}]{'matches this machine' if e.layout_matches else 'differs from this machine'}"
-              f"[/{color}]; load: {e.on_load}", highlight=False)
+    if e.kernel == w4a8_layout.KERNEL:
+        out.print(f"  layout {str(s.get('layout_hash'))[:12]} (amx_w4a8 v{s.get('version')}, block {s.get('block_n')} x "
+                  f"{s.get('block_k')}, VNNI-{s.get('vnni')}): [{color}]"
+                  f"{'read by this edgeq' if e.layout_matches else 'not one this edgeq reads'}[/{color}]; load: {e.on_load}",
+                  highlight=False)
+    else:
+        out.print(f"  layout {str(s.get('layout_hash'))[:12]} ({s.get('cpu_capability')}, block {s.get('block_n')}, torch "
+                  f"{s.get('torch_version')}): [{color}]{'matches this machine' if e.layout_matches else 'differs from this machine'}"
+                  f"[/{color}]; load: {e.on_load}", highlight=False)
     head = f"head quantised ({'untied from ' + e.head_source if e.untied else 'from ' + e.head_source})"
     mnc = ", ".join(f"{k} ({v})" for k, v in e.modules_not_converted.items()) or "none"
     out.print(f"  {head} · {e.quantized_modules} quantised modules · not converted: {mnc}", highlight=False)

@@ -383,3 +383,42 @@ def test_fixture_w4a8_checkpoint_loads_and_tracks_the_reference(tmp_path):
     print(f"fixture rel {rel:.4f} agree {agree:.3f}")
     assert rel < 0.04 and agree >= 0.9, (rel, agree)
     assert counts["w4a8_portable"] == 29 and set(counts) == {"w4a8_portable"}
+
+
+# --- inspect ---------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_reads_a_w4a8_checkpoint_without_false_problems(tiny_w4a8, tmp_path):
+    import shutil
+
+    from edgeq import convert_w4a8 as cw
+    from edgeq.report import inspect_checkpoint
+
+    r = inspect_checkpoint(tiny_w4a8, verify=True)
+    assert r.kind == "edgeq" and r.problems == () and r.warnings == ()
+    e = r.edgeq
+    assert (e.kernel, e.scheme, e.group_size) == ("amx_w4a8", "w4a8-g64", 64)
+    assert e.layout_matches and e.layout_stored == L.fingerprint(64)
+    assert e.on_load.startswith("zero-copy") and "w4a8_portable" in e.on_load  # the path load will take
+    assert e.quantized_modules == 15 and e.head_quantized
+    # bytes by hand: per module N*K/2 + 4*N*K/bk + 5*N*K/G (tiny qwen2: hidden 128, kv 2 x 32, MLP 256, vocab 256)
+    shapes = [(128, 128), (64, 128), (64, 128), (128, 128), (256, 128), (256, 128), (128, 256)]
+    assert r.bytes_by_category["quantized_linears"] == 2 * sum(cw.quantized_bytes(n, k, 64) for n, k in shapes)
+    assert r.bytes_by_category["head"] == cw.quantized_bytes(256, 128, 64)
+    assert r.bytes_by_category["linears_unquantized"] == 0
+    assert r.effective_bits == pytest.approx(4 + 32 / 64 + 40 / 64)  # nibbles + compensation + scale/zero
+    assert r.memory.anon_weights == 0 and r.memory.prefill_scratch == 0 and not r.memory.repack
+    assert len(r.verify.roundtrip) >= 3 and "lm_head" in r.verify.roundtrip
+    # a stale compensation (one byte after the nibbles of the head's first slot) is caught by --verify
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_w4a8, bad)
+    from edgeq.checkpoint.reader import open_checkpoint
+
+    info = open_checkpoint(bad).tensors["lm_head.qweight"]
+    with open(info.file, "r+b") as f:
+        f.seek(info.start + 64 * 16)  # bk*16: the first byte of comp[0]
+        byte = f.read(1)
+        f.seek(info.start + 64 * 16)
+        f.write(bytes([byte[0] ^ 1]))
+    r2 = inspect_checkpoint(bad, verify=True)
+    assert any("lm_head.qweight: unpack/repack changes 1 byte(s)" in p for p in r2.problems), r2.problems
