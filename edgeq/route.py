@@ -254,12 +254,21 @@ def _arms(data: dict, g: int, found: dict) -> dict[str, Callable]:
 def measure(shapes=SHAPES, group_size: int = GROUP_SIZE, prefill_m: int = PREFILL_M, passes: int = 3,
             decode_calls: int = 10, found: dict | None = None, seed: int = 0) -> list[Timing]:
     """Interleaved timings of every available arm at M = 1 and M = prefill_m: median of ``passes`` passes."""
+    raw = measure_raw(shapes, group_size, prefill_m, passes, decode_calls, found, seed)
+    return [Timing(a, n, k, m, statistics.median(ts), min(ts), max(ts)) for (n, k, m), arms in raw.items()
+            for a, ts in arms.items()]
+
+
+def measure_raw(shapes=SHAPES, group_size: int = GROUP_SIZE, prefill_m: int = PREFILL_M, passes: int = 3,
+                decode_calls: int = 10, found: dict | None = None, seed: int = 0) -> dict:
+    """{(N, K, M): {arm: [ms per pass]}}: every pass times each arm once, in the same order (interleaved), after
+    one warm-up call of each; M = 1 is the mean of ``decode_calls`` calls, M = prefill_m one call."""
     import torch
 
     if found is None:
         found = kernels(group_size)[1]
     gen = torch.Generator().manual_seed(seed)
-    timings = []
+    raw = {}
     for n, k in shapes:
         data = _weights(n, k, group_size, gen)
         arms = _arms(data, group_size, found)
@@ -275,9 +284,8 @@ def measure(shapes=SHAPES, group_size: int = GROUP_SIZE, prefill_m: int = PREFIL
                     for _ in range(calls):
                         fn(x)
                     times[a].append((time.perf_counter() - t0) / calls * 1e3)
-            for a, ts in times.items():
-                timings.append(Timing(a, n, k, m, statistics.median(ts), min(ts), max(ts)))
-    return timings
+            raw[(n, k, m)] = times
+    return raw
 
 
 def choose(timings: list[Timing], found_arms: set[str], group_size: int = GROUP_SIZE,
