@@ -15,7 +15,7 @@ docs/w4a8.md). Bytes per module: ``N*K/2`` nibbles + ``4*N*K/bk`` compensation +
 Streaming: every packed tensor's first dimension is the 32-row block, and :func:`edgeq.layouts.w4a8.pack` of rows
 32a..32b gives exactly rows a..b of the whole tensor's packing, so a weight is read, quantised and packed in row
 blocks of a multiple of 32 rows; the qweight parts go to the writer as they are made, the scales and zeros
-(5*N*K/G bytes: 7.3 MB for a 151936 x 1536 head at G = 128) are held until the qweight is complete, because the
+(5*N*K/G bytes: 9.1 MB for a 151936 x 1536 head at G = 128) are held until the qweight is complete, because the
 writer takes each tensor whole, in declared order.
 
 Nothing here imports edgeq.checkpoint.plan or edgeq.convert (they call in, not the other way round).
