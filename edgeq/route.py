@@ -195,8 +195,6 @@ def _weights(n: int, k: int, g: int, gen):
 
 def kernels(group_size: int = GROUP_SIZE) -> tuple[list[Kernel], dict]:
     """What exists here, with why; and the W4A8 choice and native module for the arms."""
-    import torch
-
     from edgeq.layouts import tinygemm
     from edgeq.runtime import w4a8linear
 
