@@ -23,6 +23,10 @@ behave differently:
       ``max over modules of rows_per_block(N, K, block_n) * K`` elements, 3 bytes each (a bf16 and a uint8
       buffer). ``rows_per_block`` is the runtime's rule: about 4M weights, whole layout blocks, at most N.
 
+amx_w4a8 checkpoints (docs/w4a8.md): ``M.qweight`` / ``M.scales`` / ``M.zeros`` are mapped as stored; the layout is
+fixed by the kernel's source, so nothing is ever repacked; the runtime keeps no shared prefill scratch
+(:func:`w4a8_scratch` is 0 bytes: the portable path's ~2 MiB is allocated per call and freed on return).
+
 ``total = mapped + anonymous``. Not included: the interpreter, torch's and the tokenizer's own allocations, and
 activations, which the benchmark reports as the measured remainder.
 
