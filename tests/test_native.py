@@ -203,20 +203,52 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_env_var_forces_each_isa(ready):
-    """A fresh process per ISA the CPU has (run in parallel: each imports torch), forced by EDGEQ_NATIVE_ISA."""
+_NO_COMPILER_CHILD = textwrap.dedent(
+    """
+    import json, torch
+    from edgeq.layouts import tinygemm
+    from edgeq.runtime import native
+    st = native.status()
+    q = torch.randint(0, 16, (64, 64), dtype=torch.uint8)
+    sz = torch.ones(1, 64, 2, dtype=torch.bfloat16)
+    y = tinygemm.mm(torch.ones(1, 64, dtype=torch.bfloat16), tinygemm.pack(q, tinygemm.probe()), 64, sz)  # aten works
+    print("RESULT" + json.dumps({"status": st, "available": native.available(), "aten_ok": bool(y.isfinite().all())}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def children(ready, tmp_path_factory):
+    """Fresh processes, run in parallel (each imports torch): one per ISA the CPU has, forced by EDGEQ_NATIVE_ISA,
+    and one whose compiler does not exist (empty cache directory, CXX pointing nowhere)."""
+    jobs = {isa: ({native.ENV_ISA: isa}, _CHILD.format(tests=os.path.dirname(__file__))) for isa in ready["cpu_isas"]}
+    nocxx = {"CXX": "/nonexistent/g++", native.ENV_CACHE: str(tmp_path_factory.mktemp("nocxx-cache"))}
+    jobs["no-compiler"] = (nocxx, _NO_COMPILER_CHILD)
     procs = {}
-    for isa in ready["cpu_isas"]:
-        env = {**os.environ, native.ENV_ISA: isa}
-        code = _CHILD.format(tests=os.path.dirname(__file__))
-        procs[isa] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for isa, p in procs.items():
+    for key, (env, code) in jobs.items():
+        procs[key] = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for key, p in procs.items():
         out, err = p.communicate(timeout=300)
         line = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
-        assert p.returncode == 0 and line, f"{isa}: rc={p.returncode}\n{err[-2000:]}"
-        r = json.loads(line[0][len("RESULT") :])
+        assert p.returncode == 0 and line, f"{key}: rc={p.returncode}\n{err[-2000:]}"
+        results[key] = json.loads(line[0][len("RESULT") :])
+    return results
+
+
+def test_env_var_forces_each_isa(ready, children):
+    for isa in ready["cpu_isas"]:
+        r = children[isa]
         assert r["available"] and r["status"]["isa"] == isa and r["status"]["forced"] == isa, r
         assert r["excess"] <= 1.0, (isa, r["excess"])
+
+
+def test_build_failure_is_reported_and_aten_still_works(children):
+    r = children["no-compiler"]
+    assert r["available"] is False and r["status"]["available"] is False and r["aten_ok"]
+    assert r["status"]["reason"].startswith("native kernel build/load failed")
+    assert "/nonexistent/g++" in r["status"]["reason"]  # the shell's complaint, not ninja's command lines
 
 
 @pytest.fixture

@@ -125,11 +125,15 @@ def _compile(key: str) -> tuple[str, bool]:
     return _loaded_library, built
 
 
-def _short(err: BaseException, lines: int = 12) -> str:
-    """The compiler's first error lines, not 200 lines of ninja output."""
-    text = str(err).strip().splitlines()
-    errors = [ln for ln in text if "error" in ln.lower()]
-    return " | ".join((errors or text)[:lines])[:2000] or type(err).__name__
+def _short(err: BaseException, lines: int = 6) -> str:
+    """The compiler's own complaint (``error:``, ``not found`` ...), not ninja's command lines."""
+    text = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    keys = ("error", "not found", "no such file", "fatal", "permission denied", "undefined")
+    noise = ("ninja:", "FAILED:", "[")
+    hits = [ln for ln in text if any(k in ln.lower() for k in keys) and not ln.startswith(noise) and " -c " not in ln]
+    hits = list(dict.fromkeys(hits))  # each compile step repeats the same complaint
+    head = text[0].split(":")[0] if text else type(err).__name__  # e.g. "Error building extension 'edgeq_native_...'"
+    return (head + ": " + " | ".join(hits[:lines]))[:2000] if hits else (text[0] if text else type(err).__name__)[:2000]
 
 
 def _features_to_isas(bits: int) -> tuple[str, ...]:
