@@ -140,7 +140,8 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
             e = s.settings
             paths = "; ".join(f"{ph}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for ph, c in s.paths.items())
             if s.kind == "gguf":
-                desc = f"{e.get('model_desc')}, n_ctx {e.get('n_ctx')}, threads {e.get('n_threads')}"
+                desc = (f"{e.get('model_desc')}, n_ctx {e.get('n_ctx')}, threads {e.get('n_threads')}, repack "
+                        f"{'on' if e.get('extra_bufts') else 'off'}")
             else:
                 desc = (f"max_model_len {e['max_model_len']}, KV {mib(e['kv_cache_bytes'])}, threads {e['threads_now']}, "
                         f"decode {e['decode_path']}" + (f" ({(e.get('native') or {}).get('isa')})" if e.get("native") else "")
@@ -164,6 +165,9 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--kv-cache-bytes", default="256MiB")
     ap.add_argument("--no-gguf", action="store_true")
+    # Off by default: on the AMX machine this was written on, llama.cpp 0.3.36's AMX repack path dies with SIGILL
+    # (tilezero in an OpenMP worker); without extra buffer types its weights stay mapped (llama-bench --no-repack).
+    ap.add_argument("--llama-repack", action="store_true", help="let llama.cpp repack weights (CPU_REPACK/AMX)")
     ap.add_argument("--json", type=Path, help="also write every report as JSON here")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +183,8 @@ def main() -> None:
             from edgeq.bench import default_context  # noqa: PLC0415
 
             ctx = default_context(str(prep["quantized"]), args.kv_cache_bytes)
-            arms.append(Arm("G", str(prep["gguf"]), kind="gguf", threads=args.threads, max_model_len=ctx))
+            env = () if args.llama_repack else (("EDGEQ_BENCH_LLAMA_REPACK", "0"),)
+            arms.append(Arm("G", str(prep["gguf"]), kind="gguf", threads=args.threads, max_model_len=ctx, env=env))
         cfg = BenchConfig(prompt_len=args.prompt_len, gen_len=args.gen_len, passes=args.passes)
         report = run_bench(arms, cfg, progress=lambda m, model=model: log(f"{model}: {m}"))
         machine = machine or report.machine

@@ -338,6 +338,11 @@ class LlamaCpp:
         self.L = L
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        # EDGEQ_BENCH_LLAMA_REPACK=0: no extra buffer types (llama-bench --no-repack): weights stay in the mapped
+        # file instead of being repacked (CPU_REPACK / AMX) into anonymous memory.
+        self.extra_bufts = os.environ.get("EDGEQ_BENCH_LLAMA_REPACK", "1") != "0"
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = self.extra_bufts
         if hasattr(mp, "use_mmap"):
             mp.use_mmap = True
         elif hasattr(mp, "load_mode"):
@@ -382,6 +387,7 @@ class LlamaCpp:
             "kv_cache_bytes": 2 * layers * n_ctx * n_head_kv * head_dim * 2,
             "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
             "llama_cpp_python": getattr(L, "__version__", "?"),
+            "extra_bufts": self.extra_bufts,
         }
 
     def _clear(self) -> None:
