@@ -347,3 +347,29 @@ def test_resident_bytes_clips_partial_pages():
 def test_status_fields_add_up():
     s = measure.status()
     assert s.rss == s.anon + s.file + s.shmem and s.hwm >= s.rss > 0
+
+
+# ------------------------------------------------------------------------------------- llama.cpp (optional extra)
+
+
+def test_llama_cpp_arm_runs_and_reads_settings_back(tmp_path):
+    """Only where the optional extras are installed (llama-cpp-python compiles llama.cpp; CI does not have it)."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gguf_synthetic import build_q4_k_m
+
+    gguf_path = build_q4_k_m(FIXTURE, tmp_path / "tiny-Q4_K_M.gguf", threads=1)
+    arm = Arm("G", str(gguf_path), kind="gguf", threads=1, max_model_len=256, env=(("EDGEQ_BENCH_LLAMA_REPACK", "0"),))
+    spec = PassSpec(checkpoint=str(gguf_path), result=str(tmp_path / "G-0.result.json"), kind="gguf", prompt_len=16,
+                    gen_len=4, threads=1, max_model_len=256)
+    r = bench.run_worker(arm, spec, tmp_path, timeout_s=600)
+    assert r.ok, (r.error, r.stderr_tail)
+    e = r.data["effective"]
+    assert (e["n_threads"], e["n_threads_batch"], e["n_batch"]) == (1, 1, 16) and e["n_ctx"] >= 256
+    assert e["extra_bufts"] is False and "Q4_K" in e["model_desc"]
+    led = r.data["ledger"]
+    assert sum(row["bytes"] for row in led["rows"]) == led["total"]
+    assert led["checkpoint"]["mapped_bytes"] >= e["model_bytes"]  # every weight stays mapped without repack
