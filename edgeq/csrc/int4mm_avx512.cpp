@@ -4,6 +4,8 @@
 // Two consecutive k are S contiguous bytes: A = bytes of k, B = bytes of k+1. One vpermb turns them into 16 dwords
 // (A_j, 0, B_j, 0) for 16 consecutive j; shifting by 3 (low nibble) or right by 1 (high nibble), masking with
 // 0x0078 and or-ing 0x3F80 gives, per dword, two bf16 words with value 1 + q/16 (exact) for rows j at k and k+1.
+// Example: byte A_j = 0x95 (row j: q = 5, row j + S/2: q = 9) -> low word 0x3F80 | 5 << 3 = 0x3FA8 = 1.3125 = 1 + 5/16,
+// high-nibble word 0x3F80 | 9 << 3 = 0x3FC8 = 1.5625 = 1 + 9/16.
 // vdpbf16ps multiplies them with the bf16 pair (x[k], x[k+1]) and adds both products into an fp32 lane: the
 // activations stay bf16, the products are exact, the sums fp32. Per group, with D = sum x (1 + q/16):
 //     sum_k x w = scale * (16 (D - xs) - 8 xs) + zero * xs = 16 scale D + (zero - 24 scale) xs.
