@@ -253,7 +253,7 @@ def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path):
 
 
 def test_ledger_sums_to_measured_total(quantized, tmp_path):
-    # A context of 32768 tokens makes the KV cache 64 MiB (2048 bytes a token): a ledger that lost it could not pass.
+    # A context of 32768 tokens makes the KV cache 64 MiB (2048 bytes a token): allocated, whatever of it is touched.
     ckpt = tmp_path / "long"
     shutil.copytree(quantized, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
@@ -266,7 +266,7 @@ def test_ledger_sums_to_measured_total(quantized, tmp_path):
     led = r.data["ledger"]
     assert sum(row["bytes"] for row in led["rows"]) == led["total"] == r.data["memory"]["steady"]["rss"]
     assert led["kv_allocated"] == 64 * MiB and led["kv_touched"] <= led["kv_allocated"]
-    assert led["kv_touched"] >= 4096 * 48  # at least the positions written
+    assert led["kv_touched"] >= (48 + 4 + 1) * 2048  # at least the positions written (prompt, decode, warm-up)
     unattributed = [row["bytes"] for row in led["rows"] if row["how"] == "remainder"]
     assert all(abs(b) < 32 * MiB for b in unattributed), led["rows"]  # explained within 32 MiB per remainder row
     assert abs(led["unattributed"]) < 48 * MiB
