@@ -40,29 +40,46 @@ def _mib(n: int) -> str:
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="Hugging Face model directory (or hub id, when online)."),
+    model: str = typer.Argument(..., help="Hugging Face model directory (or hub id, when online); float or GPTQ."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256 [default: the recipe's]."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256 [default: the recipe's; "
+                                         "for GPTQ input the checkpoint's group size]."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax | "
+                                         "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE."),
+    requantize: bool = typer.Option(False, "--requantize", help="GPTQ input: requantise (from the exact dequantisation) "
+                                    "the layers that cannot be repacked exactly, e.g. another group size."),
+    head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
+                                             "float model (its lm_head, or its tied embedding)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="--method gptq: calibration text "
+                                         "[default: the bundled edgeq/data/calib-prose.txt]."),
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128]."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512]."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
+                                             "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
+    damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
+                                         "diagonal [default: 0.01]."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     max_shard_size: str = typer.Option("2GiB", "--max-shard-size", help="Largest output shard, e.g. 2GiB, 500MB."),
 ) -> None:
-    """Quantise a Hugging Face checkpoint into one tinygemm-packed W4A16 checkpoint."""
+    """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
     from edgeq.checkpoint.plan import plan_rows
     from edgeq.convert import convert, prepare
     from edgeq.scheme import Scheme
 
     parsed = Scheme.parse(scheme) if scheme else None
-    prepared = prepare(model, parsed, method, recipe)
+    gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
+    prepared = prepare(model, parsed, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
     plan = prepared[1]
     if dry_run:
         rows = plan_rows(plan)
         summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
                    "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems)}
+        if plan.source:
+            summary["source"] = plan.source
         emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
         if plan.problems:
             plan.check()
@@ -72,6 +89,18 @@ def quantize(
                                                max_shard_bytes=parse_bytes(max_shard_size)),
                             plan.bytes_in + plan.head.bytes_in * plan.tied, quiet or as_json)
     emit(report, as_json, _render_convert)
+
+
+def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
+    """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
+    that prepare() can refuse calibration options without --method gptq."""
+    from edgeq.convert import GPTQOptions
+
+    given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
+                               ("act_order", act_order), ("damp", damp)) if v is not None}
+    if method != "gptq" and not given:
+        return None
+    return GPTQOptions(**given)
 
 
 def _with_progress(run, total: int, quiet: bool):
@@ -108,6 +137,8 @@ def _render_convert(r) -> None:
               f"peak RSS {_mib(r.peak_rss_bytes)} (anon {_mib(r.peak_rss_anon_bytes)})")
     out.print(f"  {r.quantized} weights quantised, head from {r.head_source}{' (untied)' if r.untied else ''}")
     out.print(f"  relative reconstruction error: mean {r.mean_relative_error:.4f}, worst {r.worst_relative_error:.4f} ({r.worst_tensor})")
+    for line in r.notes:
+        out.print(f"  {line}")
 
 
 @app.command()

@@ -7,6 +7,17 @@ op, append to the output shard. Peak memory is one row block's working set, what
 All output goes to a temporary sibling directory that is renamed into place only after the result has been
 re-opened and checked (head quantised, shapes, shard hashes). Any failure or Ctrl-C removes it; the input is
 only ever read.
+
+Three inputs/methods share this pipeline:
+
+- a float checkpoint with ``rtn`` (default) or ``minmax``: per tensor, per row block, as above;
+- a GPTQ checkpoint (``quant_method: "gptq"``): planned and streamed by :mod:`edgeq.ingest` (exact repack,
+  method recorded as ``gptq-ingest``);
+- a float checkpoint with ``gptq``: :func:`edgeq.gptq_driver.gptq_model` calibrates one decoder layer at a time and
+  yields results in execution order. The writer needs a declared order, so the quantised tensors are declared in
+  the predicted execution order (layer by layer, q/k/v/o/gate/up/down, then the head) after every copied tensor; a
+  result that arrives before its turn is held (packed, N*K/2 bytes) until it is due. Peak memory: the driver's
+  (one layer, the calibration activations) plus whatever is held, normally nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ import re
 import resource
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -25,13 +36,14 @@ import torch
 
 import edgeq
 from edgeq.checkpoint.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
-from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan
+from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
+from edgeq import ingest
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.quantize.rtn import quantize_groups
+from edgeq.quantize.rtn import METHODS, quantize_groups
 from edgeq.scheme import Scheme
 
 AUX_FILES = (
@@ -40,6 +52,30 @@ AUX_FILES = (
 )
 ROW_BLOCK_ELEMENTS = 4 << 20  # ~4M weights per block: the quantiser's fp32 working set stays ~100 MB
 DEFAULT_SHARD_BYTES = 2 << 30
+DEFAULT_CALIB = Path(__file__).parent / "data" / "calib-prose.txt"  # disjoint from heldout-prose.txt (fidelity's text)
+_IN_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # the driver's execution order in the supported families
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """``--method gptq`` settings: calibration text, windows, act-order, dampening (docs/gptq.md)."""
+
+    calib: str = str(DEFAULT_CALIB)
+    nsamples: int = 128
+    seqlen: int = 512
+    act_order: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+
+    def check(self) -> None:
+        if self.nsamples < 1 or self.seqlen < 2:
+            raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
+        if not 0.0 < self.damp <= 1.0:
+            raise EdgeqError(f"--damp {self.damp}: must be in (0, 1] (a fraction of the mean Hessian diagonal; default 0.01)")
+        if not Path(self.calib).is_file():
+            raise EdgeqError(f"--calib {self.calib}: no such file; give a UTF-8 text file")
 
 
 @dataclass(frozen=True)
@@ -62,6 +98,8 @@ class ConvertReport:
     untied: bool
     layout_hash: str
     shards: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # reported choices (head handling, requantised layers, calibration), one line each
+    details: dict = field(default_factory=dict)  # the manifest's method record (GPTQ ingest / calibration)
 
     @property
     def ratio(self) -> float:
@@ -96,16 +134,59 @@ def refuse_quantized_input(ckpt: Checkpoint) -> None:
         )
 
 
-def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None) -> tuple[Checkpoint, Plan, Recipe]:
-    """Headers -> recipe -> plan. Nothing but headers and config is read."""
+def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,
+            requantize: bool = False, head_from: str | Path | None = None,
+            gptq: GPTQOptions | None = None) -> tuple[Checkpoint, Plan, Recipe]:
+    """Headers -> recipe -> plan. Nothing but headers and config is read (GPTQ input: also each layer's g_idx).
+
+    ``requantize`` / ``head_from`` apply to GPTQ input, ``gptq`` (options) to ``method="gptq"``."""
     ckpt = open_checkpoint(resolve_source(src))
-    refuse_quantized_input(ckpt)
+    gcfg = ingest.read_gptq_config(ckpt)  # refuses every other quantised format
     recipe = find_recipe(recipe_name, ckpt.config.get("model_type"))
+    if scheme is not None and scheme.activation_bits != 16:
+        raise EdgeqError(f"scheme {scheme}: the W4A8 layout is not available in this version; use a w4a16 scheme")
+    if gcfg is not None:
+        if method is not None and method not in METHODS + ("gptq",):
+            raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS)} (for what is requantised)")
+        if method == "gptq" or gptq is not None:
+            raise EdgeqError(f"{src}: the input is already GPTQ-quantised; edgeq repacks it exactly (drop --method gptq "
+                             "and the calibration options), or calibrate the original float model")
+        plan = ingest.build_gptq_plan(ckpt, gcfg, scheme, method or recipe.method, recipe, requantize=requantize,
+                                      head_from=head_from)
+        return ckpt, plan, recipe
+    if method is not None and method not in METHODS + ("gptq",):
+        raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS + ('gptq',))}")
+    refuse_quantized_input(ckpt)
+    if requantize or head_from is not None:
+        raise EdgeqError(f"{src}: --requantize and --head-from apply to GPTQ input; this checkpoint is not quantised")
+    method = method or recipe.method
+    if gptq is not None and method != "gptq":
+        raise EdgeqError("--calib, --nsamples, --seqlen, --act-order and --damp apply to --method gptq")
     scheme = scheme or Scheme.parse(recipe.scheme)
     if scheme.activation_bits != 16:
         raise EdgeqError(f"scheme {scheme}: the W4A8 layout is not available in this version; use a w4a16 scheme")
-    plan = build_plan(ckpt, scheme, method or recipe.method, recipe)
-    return ckpt, plan, recipe
+    if method == "gptq":
+        return ckpt, _gptq_plan(ckpt, scheme, recipe, gptq or GPTQOptions()), recipe
+    return ckpt, build_plan(ckpt, scheme, method, recipe), recipe
+
+
+def _gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOptions) -> Plan:
+    """The float plan with method gptq; with act-order every quantised output also carries M.perm."""
+    from edgeq.gptq_driver import SUPPORTED_MODEL_TYPES
+
+    opts.check()
+    model_type = ckpt.config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EdgeqError(f"{ckpt.root / 'config.json'}: model_type {model_type!r} is not supported by GPTQ calibration "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --method rtn")
+    plan = build_plan(ckpt, scheme, "gptq", recipe)
+    if opts.act_order:
+        entries = tuple(
+            replace(e, perm=True, bytes_out=quantized_bytes(*e.shape, scheme.group_size, True)) if e.quantized and e.bytes_out else e
+            for e in plan.entries
+        )
+        plan = replace(plan, entries=entries)
+    return replace(plan, options=opts)
 
 
 def _rss() -> tuple[int, int]:
@@ -152,24 +233,34 @@ def convert(
     progress: Callable[[int, str], None] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     prepared: tuple[Checkpoint, Plan, Recipe] | None = None,
+    *,
+    requantize: bool = False,
+    head_from: str | Path | None = None,
+    gptq: GPTQOptions | None = None,
 ) -> ConvertReport:
     t0 = time.perf_counter()
-    ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe)
+    ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
     plan.check()
     layout = tinygemm.probe()
     out = Path(out).resolve()
     _check_output(out, force, plan.bytes_out + (64 << 20))
+    windows, calib = _calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     tmp = out.parent / f".{out.name}.edgeq-tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     writer = None
     try:
-        specs = [OutSpec(n, DTYPES[d][0], s) for e in plan.entries for n, d, s in e.out_tensors(plan.scheme)]
+        order = write_order(plan)
+        specs = [OutSpec(n, DTYPES[d][0], s) for e in order for n, d, s in e.out_tensors(plan.scheme)]
         writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"edgeq_format_version": str(FORMAT_VERSION)})
-        stats = _stream(ckpt, plan, layout, writer, _Progress(progress))
+        if plan.method == "gptq":
+            stats = _stream_gptq(ckpt, plan, order, layout, writer, _Progress(progress), windows)
+            stats["details"] = {"gptq": {"calibration": calib, **stats["details"]}}
+        else:
+            stats = _stream(ckpt, plan, layout, writer, _Progress(progress))
         digests = writer.close()
-        manifest = _manifest(plan, layout, digests)
+        manifest = _manifest(plan, layout, digests, order, stats["details"])
         manifest.write(tmp)
         _write_config(ckpt, tmp, plan, layout, manifest)
         _copy_aux(ckpt.root, tmp)
@@ -189,40 +280,72 @@ def convert(
         seconds=time.perf_counter() - t0, peak_rss_bytes=rss_peak, peak_rss_anon_bytes=anon_peak,
         mean_relative_error=sum(errs.values()) / len(errs), worst_relative_error=errs[worst], worst_tensor=worst,
         head_source=plan.head.source, untied=plan.tied, layout_hash=layout.layout_hash, shards=digests,
+        notes=tuple(_notes(plan, stats["details"])), details=stats["details"],
     )
+
+
+def write_order(plan: Plan) -> list[PlanEntry]:
+    """The order tensors are declared (and written) in: the plan's, except for ``gptq``, which writes every copied
+    tensor first and then the quantised ones in the driver's predicted execution order, head last."""
+    if plan.method != "gptq":
+        return list(plan.entries)
+    rest = [e for e in plan.entries if not e.quantized]
+    return rest + sorted((e for e in plan.entries if e.quantized), key=_execution_key)
+
+
+def _execution_key(e: PlanEntry) -> tuple:
+    if e.role == "head":
+        return (2, 0, 0, "")
+    m = _LAYER.search(e.module)
+    if m is None:
+        return (0, 0, 0, e.module)  # outside the decoder layers: the driver never yields it, which is an error later
+    tail = e.module[m.end():]
+    return (1, int(m.group(1)), _IN_LAYER.index(tail) if tail in _IN_LAYER else len(_IN_LAYER), tail)
 
 
 def _stream(ckpt: Checkpoint, plan: Plan, layout: tinygemm.TinygemmLayout, writer: ShardedWriter, progress: _Progress) -> dict:
     errors: dict[str, float] = {}
+    ingested: dict[str, ingest.EntryStats] = {}
     anon_peak = 0
     for e in plan.entries:
-        info = ckpt.tensors[e.source]
-        if e.action == "quantize":
+        if e.gptq is not None:
+            st = ingest.stream_entry(ckpt, e, plan.scheme, layout, writer, progress)
+            ingested[e.module] = st
+            if e.quantized:
+                errors[e.module] = st.rel_error
+        elif e.action == "quantize":
             errors[e.module] = _quantize_entry(ckpt, e, plan, layout, writer, progress)
         else:
-            rows = info.shape[0] if info.shape else 1
-            step = max(1, ROW_BLOCK_ELEMENTS // max(1, info.numel // max(rows, 1))) if info.shape else 1
-            for a in range(0, rows, step):
-                block = ckpt.read(e.source, (a, min(rows, a + step)) if info.shape else None)
-                if not bool(torch.isfinite(block).all()):
-                    raise EdgeqError(f"{info.file}: tensor {e.source} has NaN/Inf values; fix or re-export the checkpoint")
-                writer.write(e.name, block.to(torch.bfloat16))
-                progress(block.numel() * info.itemsize, e.name)
+            _copy_entry(ckpt, e, writer, progress)
         anon_peak = max(anon_peak, _rss()[0])
-    return {"errors": errors, "anon_peak": anon_peak}
+    details = ingest.ingest_summary(plan, ingested) if plan.method == ingest.METHOD else {}
+    return {"errors": errors, "anon_peak": anon_peak, "details": details}
+
+
+def _copy_entry(ckpt: Checkpoint, e: PlanEntry, writer: ShardedWriter, progress: _Progress) -> None:
+    info = ckpt.tensors[e.source]
+    rows = info.shape[0] if info.shape else 1
+    step = max(1, ROW_BLOCK_ELEMENTS // max(1, info.numel // max(rows, 1))) if info.shape else 1
+    for a in range(0, rows, step):
+        block = ckpt.read(e.source, (a, min(rows, a + step)) if info.shape else None)
+        if not bool(torch.isfinite(block).all()):
+            raise EdgeqError(f"{info.file}: tensor {e.source} has NaN/Inf values; fix or re-export the checkpoint")
+        writer.write(e.name, block.to(torch.bfloat16))
+        progress(block.numel() * info.itemsize, e.name)
 
 
 def _quantize_entry(ckpt: Checkpoint, e: PlanEntry, plan: Plan, layout, writer: ShardedWriter, progress: _Progress) -> float:
     """Quantise one weight in row blocks of whole layout blocks; returns its relative reconstruction error."""
-    info = ckpt.tensors[e.source]
+    src = open_checkpoint(e.origin) if e.origin else ckpt  # --head-from: another model's head
+    info = src.tensors[e.source]
     n, k = e.shape
     step = min(n, tinygemm.row_block(layout, ROW_BLOCK_ELEMENTS // k))
     sq_err = sq_norm = 0.0
     sz_parts = []
     for a in range(0, n, step):
         b = min(n, a + step)
-        w = ckpt.read(e.source, (a, b))
-        qt = quantize_groups(w, plan.scheme.group_size, plan.method, name=f"{e.source} rows {a}..{b}")
+        w = src.read(e.source, (a, b))
+        qt = quantize_groups(w, plan.scheme.group_size, e.method or plan.method, name=f"{e.source} rows {a}..{b}")
         tinygemm.check_values(qt.q, e.source)
         writer.write(f"{e.module}.qweight", tinygemm._op_pack(qt.q))
         sz_parts.append(qt.scales_and_zeros)
@@ -233,24 +356,204 @@ def _quantize_entry(ckpt: Checkpoint, e: PlanEntry, plan: Plan, layout, writer: 
     return (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0
 
 
-def _manifest(plan: Plan, layout: tinygemm.TinygemmLayout, digests: dict) -> Manifest:
+# --------------------------------------------------------------------------------------------------- --method gptq
+def _calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
+    """Token windows from the --calib text (the model's tokenizer), and their record for the manifest."""
+    import hashlib
+
+    from edgeq.gptq_driver import calibration_windows
+
+    opts: GPTQOptions = plan.options
+    path = Path(opts.calib)
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise EdgeqError(f"--calib {path}: cannot read ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise EdgeqError(f"--calib {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    windows = calibration_windows(ckpt.root, text, opts.nsamples, opts.seqlen)
+    record = {"file": path.name, "sha256": hashlib.sha256(raw).hexdigest(), "windows": int(windows.shape[0]),
+              "seqlen": int(windows.shape[1]), "tokens": int(windows.numel()), "nsamples_asked": opts.nsamples}
+    return windows, record
+
+
+class _InOrder:
+    """Writes each module's tensors in the writer's declared order; a module that arrives early is held until due.
+
+    ``held_peak`` is the most bytes ever held (0 when the driver's order is the predicted one)."""
+
+    def __init__(self, writer: ShardedWriter, modules: list[str]):
+        self.writer, self.modules, self.i = writer, modules, 0
+        self.pending: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        self.held = self.held_peak = 0
+
+    def put(self, module: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.pending[module] = tensors
+        self.held += sum(t.numel() * t.element_size() for _, t in tensors)
+        while self.i < len(self.modules) and self.modules[self.i] in self.pending:
+            for name, t in self.pending.pop(self.modules[self.i]):
+                self.writer.write(name, t)
+                self.held -= t.numel() * t.element_size()
+            self.i += 1
+        self.held_peak = max(self.held_peak, self.held)
+
+    def missing(self) -> list[str]:
+        return self.modules[self.i:]
+
+
+def _pack_result(e: PlanEntry, r, layout) -> list[tuple[str, torch.Tensor]]:
+    """A GPTQResult as the tensors this entry declared: packed qweight (row blocks), scales_and_zeros, perm."""
+    n, k = e.shape
+    if tuple(r.q.shape) != (n, k):
+        raise EdgeqError(f"{e.module}: GPTQ produced q {list(r.q.shape)}, the plan expects [{n}, {k}]")
+    if (r.perm is not None) != e.perm:
+        raise EdgeqError(f"{e.module}: GPTQ {'returned' if r.perm is not None else 'did not return'} an input permutation, "
+                         f"the plan {'expects' if e.perm else 'does not expect'} one")
+    tinygemm.check_values(r.q, e.module)
+    step = min(n, tinygemm.row_block(layout, ROW_BLOCK_ELEMENTS // k))
+    packed = torch.cat([tinygemm._op_pack(r.q[a : a + step]) for a in range(0, n, step)])
+    out = [(f"{e.module}.qweight", packed), (f"{e.module}.scales_and_zeros", r.scales_and_zeros.contiguous())]
+    if e.perm:
+        out.append((f"{e.module}.perm", r.perm.to(torch.int64).contiguous()))
+    return out
+
+
+def _stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], layout, writer: ShardedWriter,
+                 progress: _Progress, windows: torch.Tensor) -> dict:
+    """Copies first, then every quantised module as the layer-streamed GPTQ driver yields it."""
+    from edgeq.gptq_driver import gptq_model
+
+    opts: GPTQOptions = plan.options
+    anon_peak = 0
+    for e in order:
+        if e.quantized:
+            break
+        _copy_entry(ckpt, e, writer, progress)
+    quantized = [e for e in order if e.quantized]
+    by_module = {e.module: e for e in quantized}
+    sink = _InOrder(writer, [e.module for e in quantized])
+    t0, layers = time.perf_counter(), {"done": 0, "total": 1}
+
+    def layer_done(done: int, total: int, label: str) -> None:
+        layers.update(done=done, total=total)
+        progress(0, _eta_label(done, total, t0, label))
+
+    errors, rel_out, damp_used = {}, {}, {}
+    keep = frozenset(e.module for e in plan.entries if e.action == "keep")
+    results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
+                         block_size=opts.block_size, keep=keep, head_source=plan.head.source, progress=layer_done)
+    try:
+        for name, r in results:
+            e = by_module.get(name)
+            if e is None or name in errors:
+                raise EdgeqError(f"{name}: GPTQ calibration produced a module the plan does not quantise (or twice); "
+                                 "use --method rtn for this model")
+            sink.put(name, _pack_result(e, r, layout))
+            errors[name], rel_out[name] = r.relative_error, r.relative_output_error
+            if r.damp != opts.damp:
+                damp_used[name] = r.damp
+            progress(e.bytes_in, _eta_label(layers["done"], layers["total"], t0, name))
+            anon_peak = max(anon_peak, _rss()[0])
+    finally:
+        results.close()
+    if sink.missing():
+        miss = sink.missing()
+        raise EdgeqError(f"GPTQ calibration did not produce {len(miss)} planned module(s), e.g. {miss[:3]}; "
+                         "they are not Linears of the decoder layers; use --method rtn for this model")
+    details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
+               "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
+    return {"errors": errors, "anon_peak": anon_peak, "details": details}
+
+
+def _eta_label(done: int, total: int, t0: float, what: str) -> str:
+    elapsed = time.perf_counter() - t0
+    eta = f", ETA {elapsed / done * (total - done):.0f}s" if done else ""
+    return f"layer {min(done + 1, total)}/{total}{eta}: {what}"
+
+
+# -------------------------------------------------------------------------------------------------------- records
+class _Manifest(Manifest):
+    """The manifest plus method records as extra top-level keys (readers ignore keys they do not know)."""
+
+    def __init__(self, extra: dict, **fields):
+        super().__init__(**fields)
+        object.__setattr__(self, "_extra", extra)
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), **self._extra}
+
+
+def _manifest(plan: Plan, layout: tinygemm.TinygemmLayout, digests: dict, order: list[PlanEntry] | None = None,
+              details: dict | None = None) -> Manifest:
     tensors = {}
-    for e in plan.entries:
+    for e in order or plan.entries:
         for name, dtype, shape in e.out_tensors(plan.scheme):
-            tensors[name] = {"role": e.role, "source": e.source, "dtype": dtype, "shape": list(shape)}
-    return Manifest(
+            rec = {"role": "perm" if name.endswith(".perm") else e.role, "source": e.source, "dtype": dtype, "shape": list(shape)}
+            if e.action in ("repack", "requantize") or e.origin:
+                rec["action"] = e.action
+            if e.origin:
+                rec["from"] = e.origin
+            tensors[name] = rec
+    head = {"name": HEAD_MODULE, "quantized": True, "source": plan.head.source, "untied": plan.tied}
+    if plan.method != _float_method(plan):
+        head["method"] = _head_method(plan)
+    if plan.head.origin:
+        head["from"] = plan.head.origin
+    extra = dict(details or {})
+    perms = [e.module for e in plan.entries if e.perm]
+    if perms:
+        extra["perm_modules"] = perms
+    fields = dict(
         format_version=FORMAT_VERSION,
         scheme=str(plan.scheme),
         method=plan.method,
         kernel=plan.scheme.kernel,
         layout=layout.to_json(),
-        head={"name": HEAD_MODULE, "quantized": True, "source": plan.head.source, "untied": plan.tied},
-        quantized_modules=tuple(e.module for e in plan.entries if e.action == "quantize"),
+        head=head,
+        quantized_modules=tuple(e.module for e in plan.entries if e.quantized),
         modules_not_converted={e.module: e.reason for e in plan.entries if e.action == "keep"},
         shards=digests,
         tensors=tensors,
         created_by={"edgeq": edgeq.__version__, "torch": torch.__version__, "recipe": plan.recipe},
     )
+    return _Manifest(extra, **fields) if extra else Manifest(**fields)
+
+
+def _float_method(plan: Plan) -> str:
+    return plan.method if plan.method in ("rtn", "minmax") else ""
+
+
+def _head_method(plan: Plan) -> str:
+    """How the head was made: "repack" (exact, GPTQ), "<rtn|minmax> (requantised ...)", or the plan's method."""
+    h = plan.head
+    if h.action == "repack":
+        return "repack"
+    if h.action == "requantize":
+        return f"{h.method} (requantised from {h.gptq.bits}-bit GPTQ)"
+    return h.method or plan.method
+
+
+def _notes(plan: Plan, details: dict) -> list[str]:
+    if plan.method == ingest.METHOD:
+        lines = ingest.describe(plan)
+        ex = details.get("exactness", {})
+        if ex.get("repacked_modules"):
+            lines.append(f"exactness: largest repack error {ex['max_error_over_scale']:.4f} of a quantisation step "
+                         f"({ex['max_error_over_bound']:.2f} of the bf16 bound, {BOUND_SHORT})")
+        return lines
+    if plan.method == "gptq":
+        g = details.get("gptq", {})
+        c = g.get("calibration", {})
+        lines = [f"GPTQ calibration: {c.get('windows')} windows x {c.get('seqlen')} tokens of {c.get('file')}, "
+                 f"act_order={g.get('act_order')}, damp={g.get('damp')}"]
+        if g.get("damp_escalated"):
+            lines.append(f"dampening raised for {len(g['damp_escalated'])} module(s): {g['damp_escalated']}")
+        return lines
+    return []
+
+
+BOUND_SHORT = "<= |s|/16"
 
 
 def quantization_config(manifest: Manifest, plan: Plan, layout: tinygemm.TinygemmLayout) -> dict:
@@ -304,6 +607,12 @@ def verify_written(directory: Path) -> None:
         n, half_k = qw.shape
         if qw.dtype != "U8" or sz.dtype != "BF16" or list(sz.shape) != [2 * half_k // g, n, 2]:
             raise EdgeqError(f"{directory}: {m}: qweight {qw.dtype} {list(qw.shape)} / scales_and_zeros {sz.dtype} {list(sz.shape)} do not fit G={g}")
+        perm = found.get(f"{m}.perm")
+        if perm is not None and (perm.dtype != "I64" or list(perm.shape) != [2 * half_k]):
+            raise EdgeqError(f"{directory}: {m}.perm is {perm.dtype} {list(perm.shape)}, expected I64 [{2 * half_k}]")
+    stray = sorted(n for n in found if n.endswith(".perm") and n.removesuffix(".perm") not in manifest.quantized_modules)
+    if stray:
+        raise EdgeqError(f"{directory}: {stray[0]} belongs to no quantised module; the checkpoint is inconsistent")
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -1,9 +1,12 @@
 """The conversion plan, from headers alone: every tensor gets a role and an action, before any weight is read.
 
 Roles: ``linear`` (2-D ``*.weight`` of a projection), ``head``, ``embedding``, ``norm`` (1-D ``*norm*``),
-``bias``, ``other``. Actions: ``quantize`` (-> ``M.qweight`` + ``M.scales_and_zeros``), ``keep`` (a Linear the recipe
-keeps in bf16, reported), ``copy`` (cast to bf16). The head is always quantised; with tied embeddings it is
-quantised *from* the embedding table (``source``), which is also copied as bf16, and the output is untied.
+``bias``, ``other``. Actions: ``quantize`` (a float weight -> ``M.qweight`` + ``M.scales_and_zeros``), ``keep`` (a
+Linear the recipe keeps in bf16, reported), ``copy`` (cast to bf16), and for GPTQ input (edgeq/ingest.py) ``repack``
+(a 4-bit GPTQ layer mapped exactly onto tinygemm) and ``requantize`` (a GPTQ layer dequantised exactly and quantised
+again with the entry's method). Quantised outputs of act-order layers add ``M.perm`` (``PlanEntry.perm``). The head
+is always quantised; with tied embeddings it is quantised *from* the embedding table (``source``), which is also
+copied as bf16, and the output is untied.
 
 A tensor that should be quantised but cannot be is collected into ``Plan.problems`` (name, shape, rule); callers
 refuse the whole plan when there are any. The quantizer and ``edgeq inspect`` build the same plan, so they cannot
@@ -13,7 +16,8 @@ disagree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from edgeq.checkpoint.reader import Checkpoint
 from edgeq.checkpoint.recipe import Recipe
@@ -24,33 +28,62 @@ from edgeq.scheme import Scheme
 
 HEAD_MODULE = "lm_head"
 _QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".scales_and_zeros", ".weight_packed", ".SCB")
+QUANTIZED_ACTIONS = ("quantize", "repack", "requantize")  # actions whose output is M.qweight + M.scales_and_zeros
+
+
+@dataclass(frozen=True)
+class GPTQSource:
+    """Where one GPTQ-quantised Linear lives in the input, and how to decode it (edgeq/layouts/gptq.py).
+
+    ``group_size`` is the checkpoint's (-1: one group over K), after GPTQModel's per-module ``dynamic`` overrides.
+    """
+
+    qweight: str
+    qzeros: str
+    scales: str
+    g_idx: str | None
+    bits: int
+    group_size: int
+    sym: bool
+    checkpoint_format: str
 
 
 @dataclass(frozen=True)
 class PlanEntry:
     name: str  # the output tensor name (the module's weight name for quantised ones)
-    source: str  # the input tensor it comes from (differs for an untied head)
-    shape: tuple[int, ...]
+    source: str  # the input tensor it comes from (differs for an untied head, and for GPTQ layers: M.qweight)
+    shape: tuple[int, ...]  # the logical [N, K] for weights, whatever their stored shape
     dtype: str
     role: str
     action: str
     bytes_in: int
     bytes_out: int
     reason: str = ""
+    perm: bool = False  # the output has M.perm (act-order): the layer computes kernel(x[..., perm])
+    gptq: GPTQSource | None = None  # set when the input is a GPTQ layer (actions repack / requantize / keep)
+    method: str = ""  # quantisation method of this entry when it differs from the plan's (GPTQ ingest: rtn for the head)
+    origin: str | None = None  # another checkpoint directory the source is read from (--head-from), else the input
 
     @property
     def module(self) -> str:
         return self.name.removesuffix(".weight")
 
+    @property
+    def quantized(self) -> bool:
+        return self.action in QUANTIZED_ACTIONS
+
     def out_tensors(self, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype code, shape) of what this entry writes."""
-        if self.action != "quantize":
+        if not self.quantized:
             return [(self.name, "BF16", self.shape)]
         n, k = self.shape
-        return [
+        out = [
             (f"{self.module}.qweight", "U8", (n, k // 2)),
             (f"{self.module}.scales_and_zeros", "BF16", (k // scheme.group_size, n, 2)),
         ]
+        if self.perm:
+            out.append((f"{self.module}.perm", "I64", (k,)))
+        return out
 
 
 @dataclass(frozen=True)
@@ -61,11 +94,13 @@ class Plan:
     entries: tuple[PlanEntry, ...]
     problems: tuple[str, ...]
     tied: bool  # the input had no separate head tensor
+    source: dict = field(default_factory=dict)  # what the input was, when not a float checkpoint (GPTQ ingest)
+    options: Any = None  # the method's options (edgeq.convert.GPTQOptions for method "gptq")
 
     @property
     def bytes_in(self) -> int:
         # a tied head reads the embedding a second time but stores nothing new in the input
-        return sum(e.bytes_in for e in self.entries if e.source == e.name)
+        return sum(e.bytes_in for e in self.entries if not (self.tied and e.role == "head"))
 
     @property
     def bytes_out(self) -> int:
@@ -84,13 +119,13 @@ class Plan:
 
 def assert_head_quantized(plan: Plan) -> None:
     heads = [e for e in plan.entries if e.role == "head"]
-    if len(heads) != 1 or heads[0].action != "quantize":
+    if len(heads) != 1 or not heads[0].quantized:
         raise EdgeqError(f"plan does not quantise the output head ({[(e.name, e.action) for e in heads]}); this is never allowed")
 
 
-def quantized_bytes(n: int, k: int, group_size: int) -> int:
-    """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2."""
-    return n * k // 2 + (k // group_size) * n * 4
+def quantized_bytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
+    """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2, plus 8*K for an int64 M.perm."""
+    return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
 
 
 def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
@@ -125,12 +160,19 @@ def _suggest(k: int) -> str:
     return f"; use a group size of {', '.join(map(str, fits))}" if fits else "; keep it in bf16 with a recipe (keep_bf16)"
 
 
+tensor_role = _role  # public names for the GPTQ ingest planner (edgeq/ingest.py)
+weight_rule = _rule
+
+
 def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) -> Plan:
     entries: list[PlanEntry] = []
     problems: list[str] = []
     for name, info in ckpt.tensors.items():
         if name.endswith(_QUANT_SUFFIXES):
-            raise EdgeqError(f"{info.file}: tensor {name} looks already quantised; edgeq quantises float checkpoints (GPTQ ingest: see docs)")
+            raise EdgeqError(
+                f"{info.file}: tensor {name} looks already quantised but config.json has no quantization_config; "
+                "edgeq quantises float checkpoints, and ingests GPTQ ones whose config says quant_method \"gptq\""
+            )
         role = _role(name, info.shape, recipe)
         if role in ("linear", "head"):
             keep = recipe.keeps(name) if role == "linear" else None
@@ -161,7 +203,7 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
         out = quantized_bytes(*emb.shape, scheme.group_size) if not rule else 0
         entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in, out,
                                  f"untied from {emb.name}"))
-    if not any(e.action == "quantize" and e.role == "linear" for e in entries):
+    if not any(e.quantized and e.role == "linear" for e in entries):
         problems.append(f"no Linear projection weights found among {len(entries)} tensors: nothing to quantise besides the head")
     plan = Plan(scheme, method, recipe.name, tuple(entries), tuple(problems), tied)
     if not problems:
@@ -170,16 +212,23 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
 
 
 def plan_rows(plan: Plan) -> list[dict]:
-    """The plan as table rows (for --dry-run and inspect)."""
-    return [
-        {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "role": e.role, "action": e.action,
-         "bytes_in": e.bytes_in, "bytes_out": e.bytes_out, "reason": e.reason}
-        for e in plan.entries
-    ]
+    """The plan as table rows (for --dry-run and inspect); ``perm`` / ``method`` / ``from`` only where they apply."""
+    rows = []
+    for e in plan.entries:
+        row = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "role": e.role, "action": e.action,
+               "bytes_in": e.bytes_in, "bytes_out": e.bytes_out, "reason": e.reason}
+        if e.perm:
+            row["perm"] = True
+        if e.method:
+            row["method"] = e.method
+        if e.origin:
+            row["from"] = e.origin
+        rows.append(row)
+    return rows
 
 
 def effective_bits(plan: Plan) -> float:
     """Bits per quantised weight including scales and zeros (4 + 32/G for tinygemm)."""
-    q = [e for e in plan.entries if e.action == "quantize"]
+    q = [e for e in plan.entries if e.quantized]
     weights = sum(math.prod(e.shape) for e in q)
     return 8 * sum(e.bytes_out for e in q) / weights if weights else 0.0
