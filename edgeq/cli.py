@@ -42,7 +42,7 @@ def _mib(n: int) -> str:
 def quantize(
     model: str = typer.Argument(..., help="Hugging Face model directory (or hub id, when online); float or GPTQ."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256 [default: the recipe's; "
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
                                          "for GPTQ input the checkpoint's group size]."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax | "
                                          "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
@@ -70,6 +70,11 @@ def quantize(
     from edgeq.convert import convert, prepare
     from edgeq.scheme import Scheme
 
+    if scheme is not None and scheme.strip().lower() == "auto":
+        from edgeq.route import auto_scheme
+
+        scheme = auto_scheme()  # measured once per machine by `edgeq route`, then cached
+        err.print(f"--scheme auto: {scheme} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     parsed = Scheme.parse(scheme) if scheme else None
     gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
     prepared = prepare(model, parsed, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
@@ -232,8 +237,12 @@ def _register_edges() -> None:
     """Commands whose modules define their own Typer signatures."""
     from edgeq.fidelity import fidelity_command
     from edgeq.report import inspect_command
+    from edgeq.route import route_command
+    from edgeq.bench import bench_command
 
     app.command("inspect")(inspect_command)
+    app.command("bench")(bench_command)
+    app.command("route")(route_command)
     app.command("fidelity")(fidelity_command)
 
 

@@ -40,7 +40,7 @@ from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quan
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
-from edgeq import ingest
+from edgeq import convert_w4a8, ingest
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.quantize.rtn import METHODS, quantize_groups
@@ -143,9 +143,9 @@ def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_n
     ckpt = open_checkpoint(resolve_source(src))
     gcfg = ingest.read_gptq_config(ckpt)  # refuses every other quantised format
     recipe = find_recipe(recipe_name, ckpt.config.get("model_type"))
-    if scheme is not None and scheme.activation_bits != 16:
-        raise EdgeqError(f"scheme {scheme}: the W4A8 layout is not available in this version; use a w4a16 scheme")
     if gcfg is not None:
+        if scheme is not None and convert_w4a8.is_w4a8(scheme):
+            convert_w4a8.check_options(scheme, method or recipe.method, gptq_input=True)
         if method is not None and method not in METHODS + ("gptq",):
             raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS)} (for what is requantised)")
         if method == "gptq" or gptq is not None:
@@ -163,8 +163,8 @@ def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_n
     if gptq is not None and method != "gptq":
         raise EdgeqError("--calib, --nsamples, --seqlen, --act-order and --damp apply to --method gptq")
     scheme = scheme or Scheme.parse(recipe.scheme)
-    if scheme.activation_bits != 16:
-        raise EdgeqError(f"scheme {scheme}: the W4A8 layout is not available in this version; use a w4a16 scheme")
+    if convert_w4a8.is_w4a8(scheme):
+        convert_w4a8.check_options(scheme, method)
     if method == "gptq":
         return ckpt, _gptq_plan(ckpt, scheme, recipe, gptq or GPTQOptions()), recipe
     return ckpt, build_plan(ckpt, scheme, method, recipe), recipe
@@ -241,7 +241,7 @@ def convert(
     t0 = time.perf_counter()
     ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
     plan.check()
-    layout = tinygemm.probe()
+    layout = convert_w4a8.layout_record(plan.scheme) if convert_w4a8.is_w4a8(plan.scheme) else tinygemm.probe()
     out = Path(out).resolve()
     _check_output(out, force, plan.bytes_out + (64 << 20))
     windows, calib = _calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
@@ -313,6 +313,12 @@ def _stream(ckpt: Checkpoint, plan: Plan, layout: tinygemm.TinygemmLayout, write
             ingested[e.module] = st
             if e.quantized:
                 errors[e.module] = st.rel_error
+        elif e.action == "quantize" and convert_w4a8.is_w4a8(plan.scheme):
+            src = open_checkpoint(e.origin) if e.origin else ckpt
+            itemsize = src.tensors[e.source].itemsize
+            errors[e.module] = convert_w4a8.quantize_entry(
+                lambda a, b: src.read(e.source, (a, b)), *e.shape, plan.scheme, e.method or plan.method, e.source,
+                writer.write, progress=lambda rows: progress(rows * e.shape[1] * itemsize, e.name), module=e.module)
         elif e.action == "quantize":
             errors[e.module] = _quantize_entry(ckpt, e, plan, layout, writer, progress)
         else:
@@ -600,6 +606,9 @@ def verify_written(directory: Path) -> None:
     if f"{HEAD_MODULE}.qweight" not in found or HEAD_MODULE not in manifest.quantized_modules:
         raise EdgeqError(f"{directory}: the written checkpoint has no quantised {HEAD_MODULE}; refusing it")
     g = Scheme.parse(manifest.scheme).group_size
+    if manifest.kernel == convert_w4a8.KERNEL:
+        convert_w4a8.verify_modules(directory, manifest.quantized_modules, g, found)
+        return
     for m in manifest.quantized_modules:
         qw, sz = found.get(f"{m}.qweight"), found.get(f"{m}.scales_and_zeros")
         if qw is None or sz is None:

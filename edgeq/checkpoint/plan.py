@@ -21,6 +21,7 @@ from typing import Any
 
 from edgeq.checkpoint.reader import Checkpoint
 from edgeq.checkpoint.recipe import Recipe
+from edgeq import convert_w4a8  # the amx_w4a8 tensors, rules and sizes (imports nothing from here)
 from edgeq.checkpoint.safetensors_io import FLOAT_CODES
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
@@ -77,6 +78,8 @@ class PlanEntry:
         if not self.quantized:
             return [(self.name, "BF16", self.shape)]
         n, k = self.shape
+        if scheme.kernel == convert_w4a8.KERNEL:
+            return convert_w4a8.out_tensors(self.module, n, k, scheme)
         out = [
             (f"{self.module}.qweight", "U8", (n, k // 2)),
             (f"{self.module}.scales_and_zeros", "BF16", (k // scheme.group_size, n, 2)),
@@ -128,6 +131,12 @@ def quantized_bytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
     return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
 
 
+def _scheme_bytes(shape: tuple[int, ...], scheme: Scheme) -> int:
+    if scheme.kernel == convert_w4a8.KERNEL:
+        return convert_w4a8.quantized_bytes(*shape, scheme.group_size)
+    return quantized_bytes(*shape, scheme.group_size)
+
+
 def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
     if name == recipe.head:
         return "head"
@@ -144,6 +153,8 @@ def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
 
 def _rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
     """Why a 2-D weight cannot be quantised with this scheme, or None."""
+    if scheme.kernel == convert_w4a8.KERNEL:
+        return convert_w4a8.plan_rule(shape, dtype, scheme)
     if dtype not in FLOAT_CODES:
         return f"dtype {dtype} is not bf16/fp16/fp32 (an already-quantised or integer tensor)"
     n, k = shape
@@ -183,7 +194,7 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
             rule = _rule(info.shape, info.dtype, scheme)
             if rule:
                 problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
-            out = quantized_bytes(*info.shape, scheme.group_size) if not rule else 0
+            out = _scheme_bytes(info.shape, scheme) if not rule else 0
             entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes, out))
         else:
             if info.dtype not in FLOAT_CODES:
@@ -200,7 +211,7 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
         rule = _rule(emb.shape, emb.dtype, scheme)
         if rule:
             problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
-        out = quantized_bytes(*emb.shape, scheme.group_size) if not rule else 0
+        out = _scheme_bytes(emb.shape, scheme) if not rule else 0
         entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in, out,
                                  f"untied from {emb.name}"))
     if not any(e.quantized and e.role == "linear" for e in entries):
