@@ -1,7 +1,9 @@
 """edgeq's own generation loop: one prefill, then one token at a time through the static KV cache.
 
-No transformers ``generate`` in the hot loop: each step is one model forward with ``logits_to_keep=1`` (the head,
-the largest matmul, runs only for the last position), then sampling on the fp32 logits:
+No transformers ``generate`` in the hot loop: the prompt is one forward with ``logits_to_keep=1`` (the head, the
+largest matmul, runs only for the last position), then each token is one ``lm.decode_step`` (the lean decoder of
+``edgeq.runtime.lean`` when ``settings.decode_loop == "lean"``, else the model's forward), then sampling on the fp32
+logits:
 
 - temperature 0: greedy (argmax);
 - otherwise ``softmax(logits / T)``, restricted by top-p to the smallest set of most likely tokens whose
@@ -137,14 +139,7 @@ class Generation:
         if not prompt_ids:
             raise EdgeqError("the prompt is empty (0 tokens)")
         self.lm, self.prompt_ids, self.params, self.cancel = lm, list(prompt_ids), params, cancel
-        need = len(prompt_ids) + params.max_tokens
-        limit = min(lm.settings.max_model_len, lm.cache.capacity)
-        if need > limit:
-            raise EdgeqError(
-                f"request needs {need} tokens (prompt {len(prompt_ids)} + max_tokens {params.max_tokens}) but the "
-                f"context holds {limit} (max_model_len={lm.settings.max_model_len}, KV cache {lm.cache.capacity} "
-                f"tokens); shorten the prompt, lower max_tokens, or raise --max-model-len/--kv-cache-bytes"
-            )
+        _check_fits(lm, len(prompt_ids), params.max_tokens)
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
 
     def __iter__(self) -> Iterator[Delta]:
@@ -186,10 +181,56 @@ class Generation:
             if self.cancel is not None and self.cancel():
                 r.finish_reason = "cancelled"
                 break
-            logits = lm.forward(torch.tensor([[token]]), logits_to_keep=1)[0, -1].float()
+            logits = lm.decode_step(token).float()
         if len(r.text) > emitted:  # text held back for a stop string that never came
             yield Delta(r.text[emitted:], (), ())
         r.decode_seconds = time.perf_counter() - t_decode
+
+
+def _check_fits(lm, n_prompt: int, max_tokens: int) -> None:
+    need = n_prompt + max_tokens
+    limit = min(lm.settings.max_model_len, lm.cache.capacity)
+    if need > limit:
+        raise EdgeqError(
+            f"request needs {need} tokens (prompt {n_prompt} + max_tokens {max_tokens}) but the "
+            f"context holds {limit} (max_model_len={lm.settings.max_model_len}, KV cache {lm.cache.capacity} "
+            f"tokens); shorten the prompt, lower max_tokens, or raise --max-model-len/--kv-cache-bytes"
+        )
+
+
+def generate_ids(lm, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], float, float, float]:
+    """Greedy ids from token ids, no tokenizer: ``(ids, prefill_s, ttft_s, decode_s)``.
+
+    The runtime's own hot loop, for benchmarks: reset the cache; the prompt in one forward (``prefill_s``); argmax
+    is the first id (``ttft_s`` = prefill + that argmax); then ``max_tokens - 1`` steps of ``lm.decode_step`` +
+    argmax (``decode_s``), so decode tokens/s = ``(len(ids) - 1) / decode_s``. With ``ignore_eos=False`` it stops
+    before an EOS id (not included). ``lm.path_counts`` and ``lm.loop_counts`` count every call, as for
+    :class:`Generation`. Example: ``generate_ids(lm, ids, 129)`` times 128 decode steps after a prefill (tg128).
+    """
+    if not prompt_ids:
+        raise EdgeqError("the prompt is empty (0 tokens)")
+    if max_tokens < 1:
+        raise EdgeqError(f"max_tokens={max_tokens}: must be at least 1")
+    _check_fits(lm, len(prompt_ids), max_tokens)
+    eos = frozenset() if ignore_eos else frozenset(eos_ids(lm))
+    lm.cache.reset()
+    prompt = torch.tensor([list(prompt_ids)])
+    t0 = time.perf_counter()
+    logits = lm.forward(prompt, logits_to_keep=1)
+    t1 = time.perf_counter()
+    token = int(torch.argmax(logits[0, -1]))
+    t2 = time.perf_counter()
+    ids: list[int] = []
+    step = lm.decode_step
+    if token not in eos:
+        ids.append(token)
+        for _ in range(max_tokens - 1):
+            token = int(torch.argmax(step(token)))
+            if token in eos:
+                break
+            ids.append(token)
+    t3 = time.perf_counter()
+    return ids, t1 - t0, t2 - t0, t3 - t2
 
 
 def encode_prompt(lm, prompt: str | list[dict], chat: bool) -> list[int]:

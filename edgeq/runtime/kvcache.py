@@ -7,7 +7,13 @@ Per token the cache holds, for every decoder layer, one key and one value vector
 so a budget of B bytes holds ``floor(B / bytes_per_token)`` tokens. Example: Qwen2.5-1.5B (28 layers, 2 KV heads,
 head_dim 128) needs 28 * 2 * 2 * 128 * 2 = 28672 bytes a token; 256 MiB holds 9362 tokens (268,426,240 bytes).
 
-The buffers are allocated once, at load, and never grow: writing past the end raises :class:`EdgeqError`. Unlike
+The buffers are allocated once, at load, and never grow: writing past the end raises :class:`EdgeqError`. They are
+allocated with ``torch.empty``, not ``torch.zeros``: the pages of a large allocation are mapped but not resident until
+written, so the cache costs resident memory only for the positions requests have actually used (a 20-token request
+on a 256 MiB budget touches a few pages per layer), growing to at most the budget. This is safe because a position is
+always written before anything attends to it: both the transformers path (``_Layer.update``) and the lean decoder
+write position p and then attend over ``[:p + 1]`` (or a window inside it); a reset only rewinds ``length``.
+tests/test_lean.py fills a cache with NaN and checks that nothing changes. Unlike
 transformers' ``StaticCache`` (which attends over the whole buffer every step), each layer hands attention only the
 filled prefix ``[:, :, :length]``, so a short request does not pay for a long cache. Sliding-window layers (Gemma-2)
 keep every token; the sliding mask built by transformers from the layer's true kv length limits what they attend to.
@@ -128,7 +134,8 @@ class StaticKVCache(Cache):
 
     def __init__(self, plan: KVPlan, dtype=torch.bfloat16):
         shape = (1, plan.kv_heads, plan.tokens, plan.head_dim)
-        layers = [_Layer(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(plan.layers)]
+        # empty, not zeros: untouched pages stay non-resident (module docstring: positions are written before read)
+        layers = [_Layer(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(plan.layers)]
         super().__init__(layers=layers)
         self.plan = plan
 

@@ -9,6 +9,7 @@ measure (or read from cache) the prefill crossover. The effective settings are r
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import Counter
@@ -20,7 +21,7 @@ from torch import nn
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.runtime import crossover, skeleton
+from edgeq.runtime import crossover, lean, skeleton
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_json, read_quant_info
 from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
@@ -55,14 +56,22 @@ class RuntimeSettings:
     mapped_bytes: int  # checkpoint bytes used as file-backed views
     copied_bytes: int  # bytes that had to be materialised in anonymous memory (casts, repacks)
     dtype: str
+    decode_loop: str = "transformers"  # "lean" (edgeq's own decode step) | "transformers" (the model's forward)
+    decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
+    lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
+
+
+DECODE_LOOPS = ("auto", "lean", "transformers")
+ENV_DECODE_LOOP = "EDGEQ_DECODE_LOOP"
 
 
 class LoadedModel:
     """A ready model: ``.model`` (transformers module), ``.tokenizer``, ``.config``, ``.manifest``, ``.cache``,
-    ``.settings`` and ``.path_counts`` (calls per compute path: tinygemm_decode, native_decode, dequant_prefill,
-    bf16)."""
+    ``.settings``, ``.path_counts`` (calls per compute path: tinygemm_decode, native_decode, dequant_prefill, bf16,
+    input_gather) and ``.loop_counts`` (forwards per loop: ``lean`` single-token steps, ``transformers`` forwards)."""
 
-    def __init__(self, *, path, model, tokenizer, config, manifest, cache, settings, path_counts, runtime, files):
+    def __init__(self, *, path, model, tokenizer, config, manifest, cache, settings, path_counts, runtime, files,
+                 decoder=None):
         self.path = Path(path)
         self.model = model
         self.tokenizer = tokenizer
@@ -72,6 +81,8 @@ class LoadedModel:
         self.settings = settings
         self.path_counts = path_counts
         self.runtime = runtime
+        self.decoder = decoder  # the lean decoder (edgeq.runtime.lean.LeanDecoder) or None
+        self.loop_counts: Counter = Counter()
         self._files = files  # keeps the mappings alive as long as the model
 
     def __repr__(self) -> str:
@@ -81,10 +92,22 @@ class LoadedModel:
 
     def reset_counts(self) -> None:
         self.path_counts.clear()
+        self.loop_counts.clear()
+
+    @torch.inference_mode()
+    def decode_step(self, token: int) -> torch.Tensor:
+        """Logits [V] of one token appended to the cache: the lean decoder when it runs, else the model's forward."""
+        if self.decoder is not None:
+            self.cache.check_room(1)
+            self.loop_counts["lean"] += 1
+            return self.decoder.step(token)[0]
+        return self.forward(torch.tensor([[token]]), logits_to_keep=1)[0, -1]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, *, logits_to_keep: int = 0, use_cache: bool = True) -> torch.Tensor:
-        """Logits [1, T or logits_to_keep, V] for ``input_ids`` [1, T], appended to the static cache."""
+        """Logits [1, T or logits_to_keep, V] for ``input_ids`` [1, T], appended to the static cache. One token with
+        the cache goes through the lean decoder when it runs (settings.decode_loop); anything else through the
+        transformers forward (prefill; both write the same cache)."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         start = self.cache.length if use_cache else 0
@@ -92,6 +115,10 @@ class LoadedModel:
             self.cache.check_room(input_ids.shape[1])
         elif input_ids.shape[1] > self.settings.max_model_len:
             raise EdgeqError(f"input of {input_ids.shape[1]} tokens exceeds max_model_len={self.settings.max_model_len}")
+        if use_cache and self.decoder is not None and input_ids.shape == (1, 1):
+            self.loop_counts["lean"] += 1
+            return self.decoder.step(int(input_ids[0, 0]))[None]
+        self.loop_counts["transformers"] += 1
         positions = torch.arange(start, start + input_ids.shape[1])[None]
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache if use_cache else None,
                          use_cache=use_cache, logits_to_keep=logits_to_keep)
@@ -99,11 +126,17 @@ class LoadedModel:
 
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
-         prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> LoadedModel:
-    """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md."""
+         prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
+         decode_loop: str | None = None) -> LoadedModel:
+    """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md.
+
+    ``decode_loop``: "auto" (default; also ``$EDGEQ_DECODE_LOOP``) runs the lean decoder when the family is
+    supported, "lean" insists on it (an error naming the reason if it cannot run), "transformers" keeps the model's
+    forward for every token (the comparison arm)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
+    loop = _decode_loop_choice(decode_loop)
     if threads is not None:
         torch.set_num_threads(int(threads))
     budget = parse_bytes(kv_cache_bytes, "kv_cache_bytes")
@@ -135,6 +168,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         xover, source = _crossover(runtime, quantized, info, prefill_threshold)
         runtime.prefill_threshold = xover
         counts.clear()
+    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts)
     settings = RuntimeSettings(
         quantized=bool(info),
         scheme=str(info.scheme) if info else None,
@@ -155,10 +189,38 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         mapped_bytes=stats["mapped"] + qmapped,
         copied_bytes=copied,
         dtype=str(dtype).removeprefix("torch."),
+        decode_loop=loop_used,
+        decode_loop_reason=loop_reason,
+        lean_bytes=decoder.owned_bytes if decoder is not None else 0,
     )
     _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config, manifest=manifest,
-                       cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files)
+                       cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files, decoder=decoder)
+
+
+def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
+    """(choice, where it came from: "decode_loop" or "$EDGEQ_DECODE_LOOP")."""
+    source = "decode_loop"
+    if arg is None:
+        arg, source = os.environ.get(ENV_DECODE_LOOP) or "auto", f"${ENV_DECODE_LOOP}"
+    choice = str(arg).strip().lower()
+    if choice not in DECODE_LOOPS:
+        raise EdgeqError(f"{source}={arg!r}: expected one of {', '.join(DECODE_LOOPS)}")
+    return choice, source
+
+
+def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts):
+    """(LeanDecoder or None, "lean" | "transformers", reason)."""
+    choice, source = loop
+    if choice == "transformers":
+        return None, "transformers", f"requested ({source}=transformers)"
+    why_not = lean.support(model, config)
+    if why_not is not None:
+        if choice == "lean":
+            raise EdgeqError(f"{source}=lean: {why_not}; use 'auto' or 'transformers'")
+        return None, "transformers", f"{why_not}; decoding through transformers"
+    decoder = lean.LeanDecoder(model, config, cache, max_model_len, counts)
+    return decoder, "lean", f"{config.model_type}: edgeq's decode step over the loaded modules and the static cache"
 
 
 def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):

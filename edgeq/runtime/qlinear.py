@@ -83,8 +83,17 @@ class Runtime:
         return "native_decode" if self.native is not None else "tinygemm_decode"
 
     def gather(self, x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        """x2[:, perm], computed once for consecutive layers that read the same input with the same perm (q/k/v)."""
-        key = (x2.data_ptr(), x2._version, tuple(x2.shape), perm.data_ptr())
+        """x2[:, perm], computed once for consecutive layers that read the same input with the same perm (q/k/v).
+
+        The key is the input's storage and version: the lean loop rewrites one buffer in place every step, and the
+        version counter tells the rewrites apart. Tensors created under ``torch.inference_mode`` have no version
+        counter; those are fresh activations of the transformers forward, never rewritten between q, k and v.
+        """
+        try:
+            version = x2._version
+        except RuntimeError:  # an inference tensor
+            version = None
+        key = (x2.data_ptr(), version, tuple(x2.shape), perm.data_ptr())
         if self._gathered is None or self._gathered[0] != key:
             self.counts["input_gather"] += 1
             self._gathered = (key, x2.index_select(1, perm), x2)  # holding x2 keeps its storage from being reused
@@ -142,16 +151,19 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
-        x2 = x2.contiguous()
+        return self.linear2d(x2.contiguous()).reshape(*shape[:-1], self.out_features)
+
+    def linear2d(self, x2: torch.Tensor) -> torch.Tensor:
+        """y [M, N] (a new tensor) for a contiguous bf16 x2 [M, K]: the kernel below the crossover, the dequant path
+        at and above it. The lean decode loop calls this directly (no reshapes, no module hooks)."""
         if self.perm is not None:
             x2 = self.runtime.gather(x2, self.perm)
         if x2.shape[0] >= self.runtime.prefill_threshold:
-            y = self.forward_dequant(x2)  # adds the bias inside the GEMM, as nn.Linear does
-        else:
-            y = self.forward_kernel(x2)
-            if self.bias is not None:
-                y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            return self.forward_dequant(x2)  # adds the bias inside the GEMM, as nn.Linear does
+        y = self.forward_kernel(x2)
+        if self.bias is not None:
+            y.add_(self.bias)  # y is the kernel's own new tensor; the same rounding as y + bias
+        return y
 
     def forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
         rt = self.runtime

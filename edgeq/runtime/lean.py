@@ -1,0 +1,302 @@
+"""The lean decode loop: one token through the model with edgeq's own code, no transformers forward per token.
+
+It runs the dense families whose decoder layer is ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` with RMSNorm,
+rotary embeddings and a SiLU-gated MLP: Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm over each
+head). Phi-3 (fused projections, longrope) and Gemma-2 (softcapping, scaled embeddings, (1 + w) norms) keep the
+transformers forward; :func:`support` says why, and ``settings.decode_loop`` reports which loop runs.
+
+Nothing is copied: the decoder holds references to the loaded modules and tensors (every projection and the head
+are the model's :class:`~edgeq.runtime.qlinear.Int4Linear`, or ``nn.Linear`` for a bf16 reference checkpoint; the
+embedding and the norm weights are the mapped bf16 views) and writes keys and values into the same
+:class:`~edgeq.runtime.kvcache.StaticKVCache` the transformers forward uses, so a prompt prefilled by transformers
+continues here. What it owns, allocated once at construction: RoPE tables for ``max_model_len`` positions and
+activation buffers of one token. A step writes into those with ``out=`` variants and in-place ops; the only tensors
+a step allocates are the outputs of ops that have no ``out=`` form (the int4 kernel's result of each projection and
+of the head, and SDPA's result: docs/runtime.md counts them).
+
+Every op repeats the transformers computation in the same order and dtype, so the logits are bit-identical to
+the transformers forward on the same cache (tests/test_lean.py), except on sliding-window layers past the window
+(SDPA over the window's slice instead of a masked full row: equal within bf16 rounding). Per layer, with x the bf16
+residual [1, H]::
+
+    n   = w_in * bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps))        # RMSNorm, two roundings as transformers
+    q, k, v = n @ Wq^T (+ bq), n @ Wk^T (+ bk), n @ Wv^T (+ bv)      # [heads*d], [kv_heads*d] each
+    q, k = norm_q(q), norm_k(k) per head                                # Qwen3 only
+    r(t) = t * cos[p] + rotate_half(t) * sin[p]                        # rotate_half(t) = cat(-t[d/2:], t[:d/2])
+    K[p], V[p] = r(k), v;  a = SDPA(r(q), K[:p+1], V[:p+1])            # GQA: kv head j serves heads j*g..j*g+g-1
+    x += a @ Wo^T;  n = w_post * norm(x);  x += (silu(n @ Wg^T) * (n @ Wu^T)) @ Wd^T
+
+``rotate_half(t) * sin`` is computed as ``swap_halves(t) * nsin`` with ``nsin = cat(-sin[:d/2], sin[d/2:])``:
+``(-a) * b == a * (-b)`` exactly in floating point, so this is the same number with one op fewer. Worked example,
+d = 4, t = [a, b, c, e], sin = [s0, s1, s0, s1]: rotate_half(t) * sin = [-c*s0, -e*s1, a*s0, b*s1] and
+swap_halves(t) * nsin = [c, e, a, b] * [-s0, -s1, s0, s1], the same four products.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from edgeq.errors import EdgeqError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def support(model: nn.Module, config) -> str | None:
+    """None when the lean loop runs ``model``; otherwise why not (a sentence, reported in the settings)."""
+    family = getattr(config, "model_type", "?")
+    if family not in FAMILIES:
+        return f"{family}: not one of the lean loop's families ({', '.join(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"{family}: hidden_act {config.hidden_act!r} (the lean loop implements silu)"
+    body = getattr(model, "model", None)
+    rotary = getattr(body, "rotary_emb", None)
+    rope = getattr(rotary, "rope_type", None)
+    if rope not in STATIC_ROPE:
+        return f"{family}: rope_type {rope!r} (the lean loop implements {', '.join(STATIC_ROPE)})"
+    if not isinstance(getattr(body, "embed_tokens", None), nn.Embedding):
+        return f"{family}: no embed_tokens embedding"
+    for i, layer in enumerate(body.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(_is_linear(m) for m in mods):
+            return f"model.layers.{i}: a projection is neither Int4Linear nor Linear"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if family == "qwen3":
+            norms += [attn.q_norm, attn.k_norm]
+        if any(type(n).__name__ not in _NORM_CLASSES for n in norms):
+            return f"model.layers.{i}: a norm is not a plain RMSNorm"
+        if family == "qwen3" and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return f"model.layers.{i}: q_norm and k_norm have different eps (the lean loop normalises q and k together)"
+    if not _is_linear(getattr(model, "lm_head", None)):
+        return f"{family}: lm_head is neither Int4Linear nor Linear"
+    return None
+
+
+def _is_linear(m) -> bool:
+    return getattr(m, "edgeq_quantized", False) or isinstance(m, nn.Linear)
+
+
+class _RMSNorm:
+    """Transformers' RMSNorm with buffers: ``w * bf16(fp32(x) * rsqrt(mean(fp32(x)^2, -1) + eps))``, rows [R, C].
+
+    Six ops into preallocated buffers, the last one rounding the fp32 product once to the bf16 ``normed``, then the
+    weight (the seventh: transformers rounds before weighting, so this cannot be folded in). ``__call__`` writes
+    ``out`` and returns it. (``torch.mul(f, var, out=normed)`` would save an op but allocates an fp32 temporary.)
+    """
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
+        self.f = torch.empty(rows, cols, dtype=torch.float32)
+        self.sq = torch.empty(rows, cols, dtype=torch.float32)
+        self.var = torch.empty(rows, 1, dtype=torch.float32)
+        self.normed = torch.empty(rows, cols, dtype=dtype)
+        self.cols = torch.tensor(float(cols))  # 0-dim fp32: no scalar wrapping (and no dtype conversion) per call
+
+    def unweighted(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps)) into ``normed``; ``eps`` a 0-dim fp32 tensor."""
+        f, var = self.f, self.var
+        f.copy_(x)
+        torch.mul(f, f, out=self.sq)
+        torch.sum(self.sq, -1, keepdim=True, out=var)
+        torch.addcdiv(eps, var, self.cols, out=var)  # eps + sum / C: mean() is sum() then div_ on the CPU, same bits
+        var.rsqrt_()
+        f.mul_(var)
+        self.normed.copy_(f)  # one rounding to the model dtype: transformers' x.to(input_dtype)
+        return self.normed
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.mul(weight, self.unweighted(x, eps), out=out)
+
+
+def _eps(norm: nn.Module) -> torch.Tensor:
+    """The norm's epsilon as a 0-dim fp32 tensor (transformers adds the Python float to an fp32 tensor: the same)."""
+    return torch.tensor(float(norm.variance_epsilon), dtype=torch.float32)
+
+
+class _Layer:
+    """References to one decoder layer's tensors and modules (no copies), and its slice of the KV cache."""
+
+    __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "w_in", "eps_in", "w_post", "eps_post", "w_qn", "w_kn",
+                 "eps_qk", "window", "keys", "values", "cache_layer", "scale")
+
+    def __init__(self, layer: nn.Module, cache_layer, family: str, config, counts):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q, self.k, self.v, self.o = (_linear(m, counts) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.gate, self.up, self.down = (_linear(m, counts) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.w_in, self.eps_in = layer.input_layernorm.weight, _eps(layer.input_layernorm)
+        self.w_post, self.eps_post = layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm)
+        if family == "qwen3":
+            self.w_qn, self.w_kn, self.eps_qk = attn.q_norm.weight, attn.k_norm.weight, _eps(attn.q_norm)
+        else:
+            self.w_qn = self.w_kn = self.eps_qk = None
+        # Mistral applies config.sliding_window to every layer; Qwen2/3 set it per layer (None on full layers).
+        window = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        self.window = int(window) if window else None
+        self.scale = float(attn.scaling)
+        self.cache_layer = cache_layer
+        self.keys, self.values = cache_layer.keys, cache_layer.values  # [1, kv_heads, capacity, d]
+
+
+class _Linear:
+    """One projection as the lean loop calls it: ``y [1, N] = x [1, K] @ W^T (+ b)``, a new tensor (the int4 kernel
+    has no ``out=`` form). Int4Linear counts its own path; a bf16 reference Linear is counted here as ``bf16``."""
+
+    __slots__ = ("fn", "out_features")
+
+    def __init__(self, fn, out_features: int):
+        self.fn, self.out_features = fn, out_features
+
+
+def _linear(module: nn.Module, counts) -> _Linear:
+    if getattr(module, "edgeq_quantized", False):
+        return _Linear(module.linear2d, module.out_features)
+    weight, bias = module.weight, module.bias
+
+    def bf16(x):
+        counts["bf16"] += 1
+        return F.linear(x, weight, bias)
+
+    return _Linear(bf16, module.out_features)
+
+
+class LeanDecoder:
+    """``step(token) -> logits [1, V]`` at position ``cache.length``, appending to the cache. One sequence."""
+
+    def __init__(self, model: nn.Module, config, cache, max_model_len: int, counts):
+        self.family = config.model_type
+        body = model.model
+        self.cache = cache
+        self.counts = counts
+        self.embed = body.embed_tokens.weight  # the mapped bf16 view
+        self.dtype = self.embed.dtype
+        self.layers = [_Layer(layer, cache.layers[i], self.family, config, counts) for i, layer in enumerate(body.layers)]
+        self.w_final, self.eps_final = body.norm.weight, _eps(body.norm)
+        self.head = _linear(model.lm_head, counts)
+        attn0 = body.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.kv_heads = int(cache.layers[0].keys.shape[1])
+        self.heads = self.layers[0].q.out_features // self.head_dim
+        self.gqa = self.heads != self.kv_heads
+        self.hidden = int(self.embed.shape[1])
+        self.max_positions = int(max_model_len)
+        self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
+        with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
+            self._allocate(body.rotary_emb)
+
+    # ------------------------------------------------------------------------------------------------- buffers
+
+    def _allocate(self, rotary: nn.Module) -> None:
+        d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
+        self.cos, self.nsin = rope_tables(rotary, self.max_positions, d, dt)
+        self.x = torch.empty(1, self.hidden, dtype=dt)  # the residual stream
+        self.n = torch.empty(1, self.hidden, dtype=dt)  # normed input of the projections
+        self.norm = _RMSNorm(1, self.hidden, dt)
+        self.qk_norm = _RMSNorm(h + kvh, d, dt) if self.family == "qwen3" else None
+        self.pos = torch.zeros(1, dtype=torch.long)
+        self.token = torch.zeros(1, dtype=torch.long)
+        self.cos_p = torch.empty(1, d, dtype=dt)
+        self.nsin_p = torch.empty(1, d, dtype=dt)
+        # q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k.
+        self.qk = torch.empty(h + kvh, d, dtype=dt)
+        self.t1 = torch.empty(h + kvh, d, dtype=dt)
+        self.t2 = torch.empty(h + kvh, d, dtype=dt)
+        self.rot = torch.empty(h + kvh, d, dtype=dt)
+        half = d // 2
+        # views made once (a view per call costs about as much as a small op)
+        self._qk_q, self._qk_k = self.qk[:h], self.qk[h:]
+        self._qk_lo, self._qk_hi = self.qk[:, :half], self.qk[:, half:]
+        self._t2_lo, self._t2_hi = self.t2[:, :half], self.t2[:, half:]
+        self._nsin_lo, self._nsin_hi = self.nsin_p[:, :half], self.nsin_p[:, half:]
+        self._rot_q = self.rot[:h].view(1, h, 1, d)
+        self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
+        self._qn_q, self._qn_k = None, None
+        if self.qk_norm is not None:
+            self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes the decoder allocated (RoPE tables, one token's buffers); weights and the cache are not its own."""
+        found = {}
+        for holder in (self, self.norm, self.qk_norm):
+            for v in vars(holder).values() if holder is not None else ():
+                for t in v.values() if isinstance(v, dict) else (v,):
+                    if isinstance(t, torch.Tensor) and t._base is None and t is not self.embed:
+                        found[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(found.values())
+
+    # ---------------------------------------------------------------------------------------------------- step
+
+    def step(self, token: int) -> torch.Tensor:
+        """Logits [1, V] (a new tensor) of ``token`` at position ``cache.length``; the cache grows by one."""
+        cache = self.cache
+        p = cache.length
+        cache.check_room(1)
+        if p >= self.max_positions:  # the cache is never larger than max_model_len; kept as a guard
+            raise EdgeqError(f"position {p} is past the RoPE table of max_model_len={self.max_positions} positions")
+        self.token.fill_(token)
+        self.pos.fill_(p)
+        torch.index_select(self.embed, 0, self.token, out=self.x)
+        torch.index_select(self.cos, 0, self.pos, out=self.cos_p)
+        torch.index_select(self.nsin, 0, self.pos, out=self.nsin_p)
+        x, n, norm = self.x, self.n, self.norm
+        h, d = self.heads, self.head_dim
+        end = p + 1
+        for L in self.layers:
+            norm(x, L.w_in, L.eps_in, n)
+            self._qk_q.copy_(L.q.fn(n).view(h, d))
+            self._qk_k.copy_(L.k.fn(n).view(-1, d))
+            v = L.v.fn(n)
+            if L.w_qn is not None:
+                self.qk_norm.unweighted(self.qk, L.eps_qk)
+                torch.mul(L.w_qn, self._qn_q, out=self._qk_q)
+                torch.mul(L.w_kn, self._qn_k, out=self._qk_k)
+            self._rope()
+            L.keys.index_copy_(2, self.pos, self._rot_k)
+            L.values.index_copy_(2, self.pos, v.view(1, -1, 1, d))
+            L.cache_layer.length = end
+            start = end - L.window if L.window is not None and end > L.window else 0
+            a = F.scaled_dot_product_attention(self._rot_q, L.keys.narrow(2, start, end - start),
+                                               L.values.narrow(2, start, end - start), scale=L.scale, enable_gqa=self.gqa)
+            x.add_(L.o.fn(a.reshape(1, h * d)))
+            norm(x, L.w_post, L.eps_post, n)
+            g = L.gate.fn(n)
+            F.silu(g, inplace=True)
+            g.mul_(L.up.fn(n))
+            x.add_(L.down.fn(g))
+        norm(x, self.w_final, self.eps_final, n)
+        return self.head.fn(n)
+
+    def _rope(self) -> None:
+        """rot = qk * cos[p] + swap_halves(qk) * nsin[p]: transformers' apply_rotary_pos_emb, bit for bit."""
+        torch.mul(self.qk, self.cos_p, out=self.t1)
+        torch.mul(self._qk_hi, self._nsin_lo, out=self._t2_lo)
+        torch.mul(self._qk_lo, self._nsin_hi, out=self._t2_hi)
+        torch.add(self.t1, self.t2, out=self.rot)
+
+
+def rope_tables(rotary: nn.Module, positions: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, nsin) [positions, head_dim] in ``dtype`` from the model's own rotary module, so scaling variants
+    (linear, llama3, yarn's attention factor) are the model's. ``nsin`` is sin with its first half negated.
+
+    Computed in blocks of whole rows. Elementwise cos/sin of a row equal the values transformers computes for one
+    position when the row is a whole number of the vector loop's double vectors (32 floats on AVX512), so blocks are
+    used when ``head_dim % 32 == 0`` and one row at a time otherwise (the scalar tail then falls on the same
+    elements as in transformers' own call).
+    """
+    cos = torch.empty(positions, head_dim, dtype=dtype)
+    nsin = torch.empty(positions, head_dim, dtype=dtype)
+    block = max(1, (32768 // head_dim)) if head_dim % 32 == 0 else 1  # one parallel chunk, no split rows
+    probe = torch.empty(1, 1, head_dim, dtype=dtype)
+    with torch.no_grad():
+        for a in range(0, positions, block):
+            b = min(positions, a + block)
+            c, s = rotary(probe, torch.arange(a, b)[None])
+            cos[a:b] = c[0]
+            nsin[a:b] = s[0]
+    nsin[:, : head_dim // 2].neg_()
+    return cos, nsin
+
