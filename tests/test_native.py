@@ -309,3 +309,15 @@ def test_one_build_per_process(fresh_state, tmp_path, ready):
     fresh_state.setenv(native.ENV_CACHE, str(tmp_path))
     assert native.available() and native.status()["library"] == ready["library"]
     assert not any(tmp_path.iterdir())
+
+
+def test_native_command(ready, capsys, fresh_state):
+    native.native_command()
+    out = capsys.readouterr().out
+    assert out.startswith(f"native kernel: available, isa {ready['isa']}") and ready["library"] in out
+    native.native_command(as_json=True)
+    assert json.loads(capsys.readouterr().out)["isa"] == ready["isa"]
+    fresh_state.setattr(native, "_state", None)
+    fresh_state.setenv(native.ENV_ISA, "off")
+    native.native_command()
+    assert "not available (disabled by EDGEQ_NATIVE_ISA=off)" in capsys.readouterr().out

@@ -193,7 +193,10 @@ def available() -> bool:
 
 
 def status() -> dict:
-    """What runs and why: {available, isa, reason, build_seconds, built_now, library, cpu_isas, forced, calls}."""
+    """What runs and why: {available, isa, reason, build_seconds, built_now, library, cpu_isas, forced, calls}.
+
+    ``build_seconds`` is the time spent compiling (``built_now`` True) or loading the cached library.
+    """
     st = _load()
     return {
         "available": st.available,
@@ -329,3 +332,25 @@ def _op(*args):
     global _op
     _op = torch.ops.edgeq.int4_mm.default
     return _op(*args)
+
+
+def native_command(as_json: bool = False) -> None:
+    """`edgeq native`: build the native kernel if needed and say whether it runs here, which ISA path, and why.
+
+    Exit status 0 whether or not the kernel is available (the runtime then uses aten); an invalid
+    ``EDGEQ_NATIVE_ISA`` is an :class:`EdgeqError` (exit 2).
+    """
+    import json  # noqa: PLC0415
+
+    st = status()
+    if _state is not None and _state.user_error:
+        raise EdgeqError(st["reason"])
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    if st["available"]:
+        built = f"built in {st['build_seconds']} s" if st["built_now"] else f"loaded in {st['build_seconds']} s (cached)"
+        print(f"native kernel: available, isa {st['isa']} ({st['reason']}); CPU paths: {', '.join(st['cpu_isas'])}")
+        print(f"  {built}: {st['library']}")
+    else:
+        print(f"native kernel: not available ({st['reason']}); decode uses aten._weight_int4pack_mm_for_cpu")
