@@ -168,7 +168,10 @@ def _check_paths(lm, gen: dict, prompt_len: int) -> list[str]:
         return problems
     if dec.get(s.decode_path, 0) == 0:
         problems.append(f"decode counted {dec or 'no calls'}, but the effective decode path is {s.decode_path}")
-    expect_prefill = "dequant_prefill" if prompt_len >= (s.prefill_crossover or 1) else s.decode_path
+    if s.prefill_crossover is None:  # one path for every M (W4A8)
+        expect_prefill = s.prefill_path
+    else:
+        expect_prefill = "dequant_prefill" if prompt_len >= s.prefill_crossover else s.decode_path
     if pre.get(expect_prefill, 0) == 0:
         problems.append(f"prefill of {prompt_len} tokens counted {pre or 'no calls'}, expected {expect_prefill} "
                         f"(crossover M = {s.prefill_crossover})")

@@ -24,6 +24,7 @@ from edgeq.layouts import tinygemm
 from edgeq.runtime import crossover, lean, skeleton
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_json, read_quant_info
+from edgeq.runtime import w4a8linear
 from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
 from edgeq.runtime.sizes import format_bytes, parse_bytes
 from edgeq.runtime.weights import MappedFiles
@@ -56,6 +57,7 @@ class RuntimeSettings:
     mapped_bytes: int  # checkpoint bytes used as file-backed views
     copied_bytes: int  # bytes that had to be materialised in anonymous memory (casts, repacks)
     dtype: str
+    path_note: str = ""  # why this path runs when a choice was made at load (W4A8: compiled kernel or portable)
     decode_loop: str = "transformers"  # "lean" (edgeq's own decode step) | "transformers" (the model's forward)
     decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
@@ -141,7 +143,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         torch.set_num_threads(int(threads))
     budget = parse_bytes(kv_cache_bytes, "kv_cache_bytes")
     config_dict = read_json(path / "config.json")
-    info = read_quant_info(path, config_dict)
+    w4 = w4a8linear.read_info(path, config_dict)  # an amx_w4a8 checkpoint (None: W4A16 or plain HF)
+    info = w4 or read_quant_info(path, config_dict)
     manifest = read_json(path / "edgeq_manifest.json") if info else None
     if info and dtype != torch.bfloat16:
         raise EdgeqError(f"{path}: edgeq checkpoints run in bfloat16 (the kernel's activation type), not {dtype}")
@@ -153,7 +156,11 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     consumed: set[str] = set()
     copied = qmapped = 0
     layout_state = "n/a"
-    if info:
+    w4set: dict = {}
+    if w4:
+        consumed, qmapped, copied, w4set = w4a8linear.swap_w4a8(model, files, w4, counts)
+        layout_state = "native"  # fixed by the kernel's source: nothing to measure or repack
+    elif info:
         runtime, consumed, copied, qmapped, layout_state = _swap_quantized(model, files, info, counts, strict_layout)
     stats = skeleton.attach(model, files, dtype, consumed, tie_head=not info and bool(getattr(config, "tie_word_embeddings", False)))
     copied += stats["copied"]
@@ -178,17 +185,18 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         kv_bytes_per_token=plan.bytes_per_token,
         max_cached_tokens=cache.capacity,
         threads=torch.get_num_threads(),
-        kernel_paths=((str(info.scheme), f"{runtime.decode_path} (M < {xover}) + dequant_prefill (M >= {xover})"),) if info else (("bf16", "bf16"),),
-        decode_path=runtime.decode_path if runtime else "bf16",
-        prefill_path="dequant_prefill" if runtime else "bf16",
+        kernel_paths=w4set["kernel_paths"] if w4 else ((str(info.scheme), f"{runtime.decode_path} (M < {xover}) + dequant_prefill (M >= {xover})"),) if info else (("bf16", "bf16"),),
+        decode_path=w4set["decode_path"] if w4 else runtime.decode_path if runtime else "bf16",
+        prefill_path=w4set["prefill_path"] if w4 else "dequant_prefill" if runtime else "bf16",
         prefill_crossover=xover,
         crossover_source=source,
         layout=layout_state,
-        layout_hash=tinygemm.probe().layout_hash if info else None,
+        layout_hash=w4set["layout_hash"] if w4 else tinygemm.probe().layout_hash if info else None,
         scratch_bytes=runtime.scratch.nbytes if runtime else 0,
         mapped_bytes=stats["mapped"] + qmapped,
         copied_bytes=copied,
         dtype=str(dtype).removeprefix("torch."),
+        path_note=w4set.get("w4a8_kernel", ""),
         decode_loop=loop_used,
         decode_loop_reason=loop_reason,
         lean_bytes=decoder.owned_bytes if decoder is not None else 0,
