@@ -293,6 +293,10 @@ def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, me
     scheme = scheme or default_scheme(cfg, recipe)
     head_module = recipe.head.removesuffix(".weight")
     modules = {n.removesuffix(".qweight") for n in ckpt.tensors if n.endswith(".qweight")}
+    both = sorted(m for m in modules if f"{m}.weight" in ckpt.tensors)
+    if both:
+        raise EdgeqError(f"{ckpt.root}: {both[0]} has both a float weight and GPTQ tensors ({len(both)} such layers); "
+                         "the checkpoint is inconsistent")
     parts = {f"{m}{p}" for m in modules for p in PARTS}
     entries: list[PlanEntry] = []
     problems: list[str] = []
@@ -370,7 +374,7 @@ def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, me
 
 
 # ------------------------------------------------------------------------------------------------------- streaming
-@dataclass
+@dataclass(frozen=True)
 class EntryStats:
     """What streaming one GPTQ entry measured. rel_error: ||w_out - w_in|| / ||w_in|| against the input's exact
     dequantisation; for repacked layers also the largest |w_out - w_in| as a fraction of the bound and of |scale|."""

@@ -536,12 +536,18 @@ def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):
     src, calib = tiny_float
     opts = GPTQOptions(calib=str(calib), nsamples=2, seqlen=32)
     labels = []
-    report = convert(src, tmp_path / "out", method="gptq", gptq=opts, progress=lambda n, label: labels.append(label))
+    recipe = tmp_path / "keep.toml"  # a recipe's kept layer stays float in the calibration and in the output
+    recipe.write_text('name = "keepdown"\nmodel_types = ["llama"]\nkeep_bf16 = ["layers.1.mlp.down_proj"]\n')
+    report = convert(src, tmp_path / "out", method="gptq", gptq=opts, recipe=str(recipe),
+                     progress=lambda n, label: labels.append(label))
     got = open_checkpoint(tmp_path / "out")
-    assert not any(n.endswith(".perm") for n in got.tensors) and report.method == "gptq"
+    assert not any(n.endswith(".perm") for n in got.tensors) and report.method == "gptq" and report.quantized == 14
     assert "layer 3/3, ETA" in " ".join(labels) and labels[-1].startswith("layer 3/3")  # 2 layers + the head
     ref = open_checkpoint(src)
-    for m in BODY + ["lm_head"]:  # reconstruction: close to the float weights (4 bits, g128)
+    kept = "model.layers.1.mlp.down_proj"
+    assert torch.equal(got.read(f"{kept}.weight"), ref.read(f"{kept}.weight"))
+    assert read_manifest(tmp_path / "out").modules_not_converted == {kept: "recipe keepdown: keep_bf16 'layers.1.mlp.down_proj'"}
+    for m in [b for b in BODY if b != kept] + ["lm_head"]:  # reconstruction: close to the float weights (4 bits, g128)
         w = ref.read(f"{m}.weight").double()
         _, _, w_hat, _ = read_module(tmp_path / "out", m, 128)
         assert float((w_hat - w).norm() / w.norm()) < 0.2, m
