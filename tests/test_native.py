@@ -108,7 +108,9 @@ def test_matches_aten_and_reference(ready, here, case):
 
 
 @pytest.mark.parametrize(
-    "layout", [AVX2_MACHINE, DEFAULT_MACHINE, HALVES_TAILS], ids=["avx2-block32-halves", "default-adjacent", "halves-tails"]
+    "layout",
+    [AVX2_MACHINE, DEFAULT_MACHINE, HALVES_TAILS],
+    ids=["avx2-block32-halves", "default-adjacent", "halves-tails"],
 )
 def test_reads_other_machines_layouts(ready, layout):
     for m, n, k, g in [(1, 96 + 16, 512, 64), (4, 64, 256, 32), (8, 32 + 16, 768, 128)]:
@@ -263,7 +265,10 @@ def fresh_state(ready, monkeypatch):
 
 def _tiny_call():
     return native.int4_mm(
-        torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.uint8), 32, torch.zeros(2, 16, 2, dtype=torch.bfloat16)
+        torch.zeros(1, 64, dtype=torch.bfloat16),
+        torch.zeros(16, 32, dtype=torch.uint8),
+        32,
+        torch.zeros(2, 16, 2, dtype=torch.bfloat16),
     )
 
 

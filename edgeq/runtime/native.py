@@ -140,7 +140,16 @@ def _features_to_isas(bits: int) -> tuple[str, ...]:
     return ("scalar",) + tuple(isa for isa, bit in _FEATURE_BIT.items() if bits & bit)
 
 
+def _lacks_message(forced: str, has: tuple[str, ...]) -> str:
+    return (
+        f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; amx needs the avx512 set plus AMX-TILE/"
+        f"AMX-BF16 granted by Linux, avx512 needs AVX512 F/BW/VL/VBMI/BF16, avx2 needs AVX2+FMA); unset it or choose "
+        f"one of those"
+    )
+
+
 def _load() -> _State:
+    """Read EDGEQ_NATIVE_ISA, build or load the library, pick the ISA: once per process (tests may reset _state)."""
     global _state
     with _lock:
         if _state is not None:
@@ -154,30 +163,26 @@ def _load() -> _State:
         elif forced == "off":
             st.reason = f"disabled by {ENV_ISA}=off"
         else:
-            t0 = time.perf_counter()
-            try:
-                st.library, st.built_now = _compile(build_key())
-                st.cpu_isas = _features_to_isas(int(torch.ops.edgeq.cpu_features()))
-            except Exception as e:  # noqa: BLE001 - any build/load failure means: use aten, and say why
-                st.reason = f"native kernel build/load failed: {_short(e)}"
-            else:
-                st.build_seconds = round(time.perf_counter() - t0, 3)
-                if forced == "auto":
-                    st.isa = st.cpu_isas[-1]
-                elif forced in st.cpu_isas:
-                    st.isa = forced
-                else:
-                    st.reason = (
-                        f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(st.cpu_isas)}; amx needs the avx512 set plus "
-                        f"AMX-TILE/AMX-BF16 granted by Linux, avx512 needs AVX512 F/BW/VL/VBMI/BF16, avx2 needs "
-                        f"AVX2+FMA); unset it or choose one of those"
-                    )
-                    st.user_error = True
-                if st.isa:
-                    st.available = True
-                    st.reason = "ok" if forced == "auto" else f"forced by {ENV_ISA}={forced}"
+            _build_and_choose(st, forced)
         _state = st
         return st
+
+
+def _build_and_choose(st: _State, forced: str) -> None:
+    t0 = time.perf_counter()
+    try:
+        st.library, st.built_now = _compile(build_key())
+        st.cpu_isas = _features_to_isas(int(torch.ops.edgeq.cpu_features()))
+    except Exception as e:  # noqa: BLE001 - any build/load failure means: use aten, and say why
+        st.reason = f"native kernel build/load failed: {_short(e)}"
+        return
+    st.build_seconds = round(time.perf_counter() - t0, 3)
+    if forced != "auto" and forced not in st.cpu_isas:
+        st.reason, st.user_error = _lacks_message(forced, st.cpu_isas), True
+        return
+    st.isa = st.cpu_isas[-1] if forced == "auto" else forced
+    st.available = True
+    st.reason = "ok" if forced == "auto" else f"forced by {ENV_ISA}={forced}"
 
 
 def _raise_if_user_error(st: _State) -> None:
@@ -186,7 +191,9 @@ def _raise_if_user_error(st: _State) -> None:
 
 
 def available() -> bool:
-    """True when the kernel is built and usable here. A bad ``EDGEQ_NATIVE_ISA`` raises (a user error, not a fallback)."""
+    """True when the kernel is built and usable here.
+
+    A bad ``EDGEQ_NATIVE_ISA`` raises :class:`EdgeqError` (a user error, not a reason to fall back quietly)."""
     st = _load()
     _raise_if_user_error(st)
     return st.available
@@ -349,7 +356,8 @@ def native_command(as_json: bool = False) -> None:
         print(json.dumps(st, indent=2))
         return
     if st["available"]:
-        built = f"built in {st['build_seconds']} s" if st["built_now"] else f"loaded in {st['build_seconds']} s (cached)"
+        secs = st["build_seconds"]
+        built = f"built in {secs} s" if st["built_now"] else f"loaded in {secs} s (cached)"
         print(f"native kernel: available, isa {st['isa']} ({st['reason']}); CPU paths: {', '.join(st['cpu_isas'])}")
         print(f"  {built}: {st['library']}")
     else:
