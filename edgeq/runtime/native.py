@@ -162,6 +162,8 @@ def _load() -> _State:
             st.user_error = True
         elif forced == "off":
             st.reason = f"disabled by {ENV_ISA}=off"
+        elif platform.machine().lower() not in ("x86_64", "amd64"):
+            st.reason = f"the native kernel is x86-64 only (this is {platform.machine()})"
         else:
             _build_and_choose(st, forced)
         _state = st
