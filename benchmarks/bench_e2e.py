@@ -90,8 +90,9 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
         f"{args.passes} passes per arm, each a fresh process, arms interleaved; prompt {args.prompt_len} tokens, "
         f"{args.gen_len} generated; median [min-max].",
         "",
-        "| model | arm | prefill pp{} tok/s | decode tg{} tok/s | TTFT s | load s |".format(args.prompt_len, args.gen_len),
-        "|---|---|---|---|---|---|",
+        "| model | arm | prefill pp{} tok/s | decode tg{} tok/s | TTFT s | load s | CPU share pp/tg |".format(
+            args.prompt_len, args.gen_len),
+        "|---|---|---|---|---|---|---|",
     ]
     for model, prep, report in results:
         if not report.ok:
@@ -100,8 +101,9 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
         for s in report.arms:
             name = {"A": SCHEME, "B": "bf16 reference", "G": "llama.cpp Q4_K_M"}[s.label]
             t = s.timing
+            share = "/".join(f"{t[k].median:.0%}" for k in ("cpu_share_prefill", "cpu_share_decode") if k in t)
             lines.append(f"| {model} | {name} | {fmt_stat(t['pp_tok_s'], 'tok/s')} | {fmt_stat(t['tg_tok_s'], 'tok/s')} "
-                         f"| {fmt_stat(t['ttft_s'], 's')} | {fmt_stat(t['load_s'], 's')} |")
+                         f"| {fmt_stat(t['ttft_s'], 's')} | {fmt_stat(t['load_s'], 's')} | {share or 'n/a'} |")
     lines += ["", "Ratios of medians (A / other; > 1 means edgeq is faster for pp and tg):", "",
               "| model | vs | prefill | decode | ranges (pp, tg) |", "|---|---|---|---|---|"]
     for model, prep, report in results:

@@ -57,6 +57,7 @@ METRICS = (  # key, label, unit, higher is better
     ("ttft_s", "time to first token", "s", False),
     ("load_s", "load", "s", False),
 )
+STARVED_SHARE = 0.7  # a phase that got less than this share of its threads' CPU time measured contention
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
              "amx_int8", "amx_bf16")
 
@@ -371,6 +372,9 @@ def summarize(arm: Arm, results: list[PassResult]) -> ArmSummary:
     data = [r.data for r in results]
     timing = {k: Stat.of(d["timing"][k] for d in data)
               for k in ("pp_tok_s", "tg_tok_s", "ttft_s", "ttft_cold_s", "load_s", "import_s")}
+    for phase in ("prefill", "decode"):
+        if all(d.get("cpu") for d in data):
+            timing[f"cpu_share_{phase}"] = Stat.of(d["cpu"][phase]["share"] for d in data)
     mem = [d["memory"] for d in data]
     memory = {
         "peak_load": Stat.of(m["peak_load"] for m in mem),
@@ -407,6 +411,12 @@ def judge(summaries: list[ArmSummary], results: list[PassResult]) -> list[str]:
     flags = []
     for s in summaries:  # every pass of an arm must have run the same thing
         runs = [r.data for r in results if r.label == s.label]
+        for phase in ("prefill", "decode"):
+            shares = [d["cpu"][phase]["share"] for d in runs if d.get("cpu")]
+            if shares and min(shares) < STARVED_SHARE:
+                flags.append(f"arm {s.label}: {phase} got only {min(shares):.0%}-{max(shares):.0%} of its threads' CPU "
+                             f"time (CPU seconds / (wall x threads)): the machine was oversubscribed, so these "
+                             f"{phase} numbers measure contention (every parallel region waits for a preempted thread)")
         keys = COMPARED_SETTINGS if s.kind == "edgeq" else GGUF_SETTINGS
         for k in keys:
             seen = {json.dumps(d["effective"].get(k) if k != "native_isa" else (d["effective"].get("native") or {}).get("isa"),
@@ -605,12 +615,14 @@ def render(report: BenchReport, out, err) -> None:
         err.print("[red]no comparison: a pass failed, so no number from this run is reported[/red]")
         return
     t = Table(title="speed (median [min-max])")
-    for col in ("arm", "checkpoint", "prefill tok/s", "decode tok/s", "TTFT s", "first-request TTFT s", "load s"):
+    for col in ("arm", "checkpoint", "prefill tok/s", "decode tok/s", "TTFT s", "first-request TTFT s", "load s",
+                "CPU share pp/tg"):
         t.add_column(col, justify="left" if col in ("arm", "checkpoint") else "right")
     for s in report.arms:
+        share = "/".join(f"{s.timing[k].median:.0%}" for k in ("cpu_share_prefill", "cpu_share_decode") if k in s.timing)
         t.add_row(s.label, _short(s.checkpoint), fmt_stat(s.timing["pp_tok_s"], "tok/s"),
                   fmt_stat(s.timing["tg_tok_s"], "tok/s"), fmt_stat(s.timing["ttft_s"], "s"),
-                  fmt_stat(s.timing["ttft_cold_s"], "s"), fmt_stat(s.timing["load_s"], "s"))
+                  fmt_stat(s.timing["ttft_cold_s"], "s"), fmt_stat(s.timing["load_s"], "s"), share or "n/a")
     out.print(t)
     for cmp_ in report.comparisons or ():
         t = Table(title=f"{cmp_.a} vs {cmp_.b}")

@@ -64,6 +64,23 @@ class PassSpec:
         return json.dumps(asdict(self))
 
 
+def cpu_clock() -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds of this process's threads, involuntary context switches so far)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), ru.ru_utime + ru.ru_stime, ru.ru_nivcsw
+
+
+def cpu_share(start: tuple, end: tuple, threads: int) -> dict:
+    """How much CPU the phase got: CPU seconds / (wall seconds x threads); 1.0 = every thread ran all the time.
+    On an oversubscribed machine a parallel region waits for its preempted thread (its partner spins): the share
+    drops towards 1/threads and involuntary context switches climb."""
+    wall, cpu = end[0] - start[0], end[1] - start[1]
+    return {"wall_s": wall, "cpu_s": cpu, "share": cpu / (wall * threads) if wall > 0 and threads else 0.0,
+            "involuntary_switches": end[2] - start[2]}
+
+
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     """``n`` ids uniform in [0, vocab): the same list for any arm with the same vocabulary and seed."""
     rng = random.Random(seed)
@@ -82,6 +99,8 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
     native = lm.runtime.native if lm.runtime is not None else None
     n0 = native.call_count() if native is not None else 0
     x = torch.tensor([ids])
+    threads = torch.get_num_threads()
+    c0 = cpu_clock()
     t0 = time.perf_counter()
     logits = lm.forward(x, logits_to_keep=1)
     t1 = time.perf_counter()
@@ -90,11 +109,13 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
     prefill_paths = dict(lm.path_counts)
     lm.reset_counts()
     n1 = native.call_count() if native is not None else 0
+    c1 = cpu_clock()
     t3 = time.perf_counter()
     for _ in range(gen_len):
         logits = lm.forward(torch.tensor([[token]]), logits_to_keep=1)
         token = int(torch.argmax(logits[0, -1].float()))
     t4 = time.perf_counter()
+    c2 = cpu_clock()
     decode_paths = dict(lm.path_counts)
     n2 = native.call_count() if native is not None else 0
     lm.reset_counts()
@@ -102,6 +123,7 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
         "prefill_s": t1 - t0, "ttft_s": t2 - t0, "decode_s": t4 - t3,
         "paths": {"prefill": prefill_paths, "decode": decode_paths},
         "native_calls": {"prefill": n1 - n0, "decode": n2 - n1} if native is not None else None,
+        "cpu": {"prefill": cpu_share(c0, c1, threads), "decode": cpu_share(c1, c2, threads)},
     }
 
 
@@ -266,6 +288,7 @@ def run_edgeq(spec: PassSpec) -> dict:
         },
         "paths": gen["paths"],
         "native_calls": gen["native_calls"],
+        "cpu": gen["cpu"],
         "path_problems": problems,
         "effective": effective,
         "vocab": vocab,
@@ -365,6 +388,7 @@ class LlamaCpp:
         vocab = L.llama_model_get_vocab(self.model) if hasattr(L, "llama_model_get_vocab") else self.model
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab) if hasattr(L, "llama_vocab_n_tokens") else L.llama_n_vocab(vocab))
         self.batch = L.llama_batch_init(max(batch, 1), 0, 1)
+        self.threads = threads
         self.capacity = max(batch, 1)
 
     def effective(self) -> dict:
@@ -421,13 +445,17 @@ class LlamaCpp:
         if len(ids) > self.capacity:
             raise RuntimeError(f"prompt of {len(ids)} tokens exceeds the batch of {self.capacity}")
         self._clear()
+        c0 = cpu_clock()
         t0 = time.perf_counter()
         token = self._decode(ids, 0)
         t1 = time.perf_counter()
+        c1 = cpu_clock()
         for i in range(gen_len):
             token = self._decode([token], len(ids) + i)
         t2 = time.perf_counter()
-        return {"prefill_s": t1 - t0, "ttft_s": t1 - t0, "decode_s": t2 - t1}
+        c2 = cpu_clock()
+        return {"prefill_s": t1 - t0, "ttft_s": t1 - t0, "decode_s": t2 - t1,
+                "cpu": {"prefill": cpu_share(c0, c1, self.threads), "decode": cpu_share(c1, c2, self.threads)}}
 
 
 def ctypes_buffer(n: int):
@@ -482,6 +510,7 @@ def run_gguf(spec: PassSpec) -> dict:
         },
         "paths": {"prefill": {"llama.cpp": 1}, "decode": {"llama.cpp": spec.gen_len}},
         "native_calls": None,
+        "cpu": gen["cpu"],
         "path_problems": [],
         "effective": effective,
         "vocab": llm.n_vocab,

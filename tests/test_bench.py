@@ -160,6 +160,21 @@ def test_settings_changing_between_passes_flagged(quantized, tmp_path):
     assert any("prefill_crossover changed between passes" in f for f in report.flags)
 
 
+def test_starved_passes_flagged(quantized, tmp_path):
+    class Starved(StubRunner):
+        def __call__(self, arm, spec, workdir, timeout):
+            r = super().__call__(arm, spec, workdir, timeout)
+            share = 0.45 if spec.pass_index == 1 else 0.97  # one pass shared its cores with another job
+            r.data["cpu"] = {ph: {"wall_s": 1.0, "cpu_s": 2 * share, "share": share, "involuntary_switches": 0}
+                             for ph in ("prefill", "decode")}
+            return r
+
+    report = run_bench([Arm("A", str(quantized))], BenchConfig(passes=3), runner=Starved({"A": _settings()}),
+                       workdir=tmp_path)
+    assert report.ok and report.arms[0].timing["cpu_share_decode"] == Stat(0.97, 0.45, 0.97, 3)
+    assert any("decode got only 45%-97%" in f for f in report.flags)
+
+
 def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -205,6 +220,7 @@ def test_path_counters_count(quantized, tmp_path):
     assert r["paths"]["prefill"] == {"dequant_prefill": TINY_LINEARS - 1, decode: 1}
     assert r["paths"]["decode"] == {decode: 5 * TINY_LINEARS}
     assert r["path_problems"] == []
+    assert r["cpu"]["decode"]["wall_s"] > 0 and r["cpu"]["decode"]["cpu_s"] >= 0
     if decode == "native_decode":  # the kernel's own counter agrees with the runtime's
         assert r["native_calls"] == {"prefill": 1, "decode": 5 * TINY_LINEARS}
     # effective settings are read back from the runtime, not echoed
