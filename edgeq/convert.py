@@ -35,11 +35,11 @@ from typing import Callable
 import torch
 
 import edgeq
-from edgeq.checkpoint.manifest import FORMAT_VERSION, MANIFEST, Manifest, read_manifest
+from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
 from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
+from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, replace_dir, sha256_file
 from edgeq import convert_w4a8, ingest
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
@@ -265,7 +265,7 @@ def convert(
         _write_config(ckpt, tmp, plan, layout, manifest)
         _copy_aux(ckpt.root, tmp)
         verify_written(tmp)  # assertion 3 of 3 (2 was the plan's): re-open what was written
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -622,14 +622,3 @@ def verify_written(directory: Path) -> None:
     stray = sorted(n for n in found if n.endswith(".perm") and n.removesuffix(".perm") not in manifest.quantized_modules)
     if stray:
         raise EdgeqError(f"{directory}: {stray[0]} belongs to no quantised module; the checkpoint is inconsistent")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; an existing output (--force) is removed only after that succeeds."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.edgeq-old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

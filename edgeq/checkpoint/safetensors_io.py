@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,6 +269,17 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished directory into place; an existing ``out`` is removed only after the rename succeeded."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.edgeq-old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def fsync_dir(path: Path) -> None:

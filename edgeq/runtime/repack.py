@@ -18,6 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from edgeq.checkpoint.safetensors_io import replace_dir
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
@@ -99,21 +100,11 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         config["quantization_config"]["layout"] = target.fingerprint()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         del files, tensors
-        _replace(tmp, dst)
+        replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return RepackReport(str(dst), changed, count, nbytes, time.perf_counter() - t0, info.layout.layout_hash, target.layout_hash)
-
-
-def _replace(tmp: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.edgeq-old-{os.getpid()}"
-        dst.rename(old)
-    tmp.rename(dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def repack_command(path: str, out: str | None = None) -> None:
