@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edgeq, whatever pip points at
 from synthetic import SHAPES, write  # noqa: E402
 
 from edgeq.bench import Arm, BenchConfig, fmt_stat, run_bench, run_convert, to_json  # noqa: E402

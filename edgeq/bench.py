@@ -234,13 +234,25 @@ def _tail(path: Path, n: int = 3000) -> str:
     return data[-n:].decode("utf-8", "replace")
 
 
+def child_env(extra: dict | None = None) -> dict:
+    """The environment of a worker or conversion child: this process's, with the directory holding *this* edgeq
+    package first on PYTHONPATH, so the child runs the same code as the parent (an editable install may point at
+    another checkout than the one the parent was started from)."""
+    import edgeq
+
+    root = str(Path(edgeq.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra or {})
+    return env
+
+
 def run_worker(arm: Arm, spec: PassSpec, workdir: Path, timeout_s: float) -> PassResult:
     """Start ``python -m edgeq.bench_worker`` for one pass and wait for it (wait4: its own rusage)."""
     stem = workdir / f"{arm.label}-{spec.pass_index}"
     spec_path, out_path, err_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out"), stem.with_suffix(".err")
     spec_path.write_text(spec.to_json())
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(arm.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env = child_env({"OMP_NUM_THREADS": str(arm.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env.update(dict(arm.env))
     t0 = time.perf_counter()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -543,7 +555,7 @@ def run_convert(model: str, scheme: str | None, method: str | None, passes: int,
             stdout, stderr = base / f"{p}.out", base / f"{p}.err"
             t0 = time.perf_counter()
             with open(stdout, "wb") as so, open(stderr, "wb") as se:
-                proc = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True)
+                proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=child_env(), start_new_session=True)
             status, usage, timed_out = _wait(proc.pid, timeout_s)
             wall = time.perf_counter() - t0
             code = os.waitstatus_to_exitcode(status)

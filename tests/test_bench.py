@@ -249,6 +249,13 @@ def test_contradicting_paths_fail_the_pass():
     assert any("expected dequant_prefill" in p for p in problems)
 
 
+def test_children_run_the_parents_edgeq(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = bench.child_env({"X": "1"})
+    here = str(Path(bench.__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(os.pathsep) == [here, "/elsewhere"] and env["X"] == "1"
+
+
 def test_prompt_ids_are_the_same_for_every_arm():
     assert prompt_ids(16, 4096, 0) == prompt_ids(16, 4096, 0) != prompt_ids(16, 4096, 1)
     assert all(0 <= i < 4096 for i in prompt_ids(1000, 4096, 3))
