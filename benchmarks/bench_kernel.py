@@ -10,6 +10,7 @@ CPU time the thread got) shows the kernel's own speed when the machine is oversu
 oversubscribed machine every call waits for its slower thread (OpenMP barrier): look at the load average printed.
 
     python benchmarks/bench_kernel.py                         # qwen2.5-1.5b shapes, M = 1, 4, 8, 2 threads, 5 passes
+                                                              # arms aten, native, read (the memory roof)
     python benchmarks/bench_kernel.py --arms aten,avx512,avx2 --m 1 --passes 7 --json /tmp/kernel.json
     python benchmarks/bench_kernel.py --model llama-3.2-1b
 """
@@ -60,9 +61,16 @@ def packed_bytes(mats) -> int:
     return sum(qw.numel() + sz.numel() * sz.element_size() for _, qw, sz in mats)
 
 
+def _read(x, qw, sz):
+    """The memory roof: read the same packed bytes with torch's (vectorised, multi-accumulator) int64 sum."""
+    return qw.view(-1).view(torch.int64).sum() + sz.view(-1).view(torch.int64).sum()
+
+
 def arm_fn(arm: str, group: int):
     if arm == "aten":
         return lambda x, qw, sz: tinygemm.mm(x, qw, group, sz)
+    if arm == "read":
+        return _read
     isa = None if arm == "native" else arm
     return lambda x, qw, sz: native.int4_mm(x, qw, group, sz, isa=isa)
 
@@ -80,7 +88,7 @@ def check(arms, mats, group: int) -> None:
     _, qw, sz = mats[0]
     x = torch.randn(3, qw.shape[1] * 2).to(torch.bfloat16)
     ref = tinygemm.mm(x, qw, group, sz)
-    for arm in arms:
+    for arm in (a for a in arms if a != "read"):
         y = arm_fn(arm, group)(x, qw, sz)
         if float((y != ref).double().mean()) > 0.05:
             raise SystemExit(f"{arm}: disagrees with aten on {mats[0][0]}; not timing it")
@@ -128,7 +136,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model (less memory; keep > 300 MB)")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--m", default="1,4,8", help="activation rows, comma separated")
-    ap.add_argument("--arms", default="aten,native", help="aten, native (auto ISA), avx512, avx2, scalar")
+    ap.add_argument("--arms", default="aten,native,read",
+                    help="aten, native (auto ISA), amx, avx512, avx2, scalar; read = a plain read of the same bytes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -137,7 +146,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     arms = a.arms.split(",")
     st = native.status()
-    if any(arm != "aten" for arm in arms) and not st["available"]:
+    if any(arm not in ("aten", "read") for arm in arms) and not st["available"]:
         raise SystemExit(f"native kernel unavailable: {st['reason']}")
     mats = make_weights(step_shapes(a.model, a.layers), a.group)
     nbytes = packed_bytes(mats)
