@@ -6,13 +6,15 @@ and the 4-bit head; Qwen2.5-1.5B: 28 layers, 0.82 GB packed), each weight its ow
 the report gives median / min / max over passes of GB/s of packed weight bytes read (qweight + scales_and_zeros)
 and the median of the per-pass ratios time(aten) / time(arm). Wall-clock time: on a shared machine, other processes
 slow both arms alike, and the spread shows how much. With --threads 1 a "cpu GB/s" column (bytes per second of
-CPU time the thread got) shows the kernel's own speed when the machine is oversubscribed. With 2 threads on an
-oversubscribed machine every call waits for its slower thread (OpenMP barrier): look at the load average printed.
+CPU time the thread got) shows the kernel's own speed when the machine is oversubscribed. With 2 threads, if any
+other process is runnable, libgomp's default spin-waiting makes every call wait for a time slice (measured: all
+arms 10-20x slower than 1 thread); run with OMP_WAIT_POLICY=PASSIVE there (printed in the header).
 
     python benchmarks/bench_kernel.py                         # qwen2.5-1.5b shapes, M = 1, 4, 8, 2 threads, 5 passes
                                                               # arms aten, native, read (the memory roof)
     python benchmarks/bench_kernel.py --arms aten,avx512,avx2 --m 1 --passes 7 --json /tmp/kernel.json
     python benchmarks/bench_kernel.py --model llama-3.2-1b
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_kernel.py   # on a machine other processes also use
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def main() -> None:
         "group": a.group,
         "passes": a.passes,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
     }
     print(json.dumps(meta))
     cpu_col = a.threads == 1
