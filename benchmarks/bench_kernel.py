@@ -154,9 +154,11 @@ def main() -> None:
     nbytes = packed_bytes(mats)
     check(arms, mats, a.group)
     load_before = os.getloadavg()
+    started = dt.datetime.now().isoformat(timespec="seconds")
     rows = bench(arms, mats, [int(v) for v in a.m.split(",")], a.passes, a.group)
     meta = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "started": started,
+        "finished": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "cpu": _cpu_name(),
         "threads": a.threads,
