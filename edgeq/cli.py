@@ -233,6 +233,14 @@ def demo(
     emit(run_demo(scheme, method, keep, max_tokens), as_json, lambda r: render(r, out))
 
 
+@app.command()
+def native(as_json: bool = typer.Option(False, "--json")) -> None:
+    """The native decode kernel: build it if needed, and say whether it runs here, which ISA path, and why."""
+    from edgeq.runtime.native import native_command
+
+    native_command(as_json=as_json)
+
+
 def _register_edges() -> None:
     """Commands whose modules define their own Typer signatures."""
     from edgeq.fidelity import fidelity_command
