@@ -17,7 +17,7 @@ from test_runtime_helpers import FIXTURE, prose_checkpoint, quantize, save_hf, t
 PROMPT = list(range(5, 29))  # 24 ids inside every tiny vocabulary
 STEPS = 24
 # Sliding-window layers past the window: the lean loop runs SDPA over the window's slice, transformers a masked full
-# row with another SDPA kernel; relative to the largest |logit| (observed <= 0.4%).
+# row with another SDPA kernel; relative to the largest |logit| (observed 0.7%).
 WINDOW_TOL = 0.02
 
 

@@ -64,7 +64,7 @@ def support(model: nn.Module, config) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(_is_linear(m) for m in mods):
-            return f"model.layers.{i}: a projection is neither Int4Linear nor Linear"
+            return f"model.layers.{i}: a projection is neither an edgeq quantised Linear nor a Linear"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if family == "qwen3":
             norms += [attn.q_norm, attn.k_norm]
@@ -73,12 +73,13 @@ def support(model: nn.Module, config) -> str | None:
         if family == "qwen3" and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             return f"model.layers.{i}: q_norm and k_norm have different eps (the lean loop normalises q and k together)"
     if not _is_linear(getattr(model, "lm_head", None)):
-        return f"{family}: lm_head is neither Int4Linear nor Linear"
+        return f"{family}: lm_head is neither an edgeq quantised Linear nor a Linear"
     return None
 
 
 def _is_linear(m) -> bool:
-    return getattr(m, "edgeq_quantized", False) or isinstance(m, nn.Linear)
+    """An edgeq quantised module with ``linear2d`` (Int4Linear, W4A8Linear) or a plain ``nn.Linear``."""
+    return (getattr(m, "edgeq_quantized", False) and callable(getattr(m, "linear2d", None))) or isinstance(m, nn.Linear)
 
 
 class _RMSNorm:
