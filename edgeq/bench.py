@@ -247,13 +247,28 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
+def worker_env(arm: Arm) -> dict:
+    """A worker's environment: threads from the arm, the arm's own variables, and the OpenMP waiting policy edgeq
+    defaults to (PASSIVE, edgeq/__init__.py) for edgeq arms; a llama.cpp arm gets the user's own policy instead (unset
+    unless the user set it), as llama.cpp would run outside edgeq."""
+    env = child_env({"OMP_NUM_THREADS": str(arm.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    if arm.kind == "gguf":
+        import edgeq
+
+        env.pop("OMP_WAIT_POLICY", None)
+        env["EDGEQ_KEEP_OMP_ENV"] = "1"
+        if edgeq.OMP_WAIT_POLICY_USER is not None:
+            env["OMP_WAIT_POLICY"] = edgeq.OMP_WAIT_POLICY_USER
+    env.update(dict(arm.env))
+    return env
+
+
 def run_worker(arm: Arm, spec: PassSpec, workdir: Path, timeout_s: float) -> PassResult:
     """Start ``python -m edgeq.bench_worker`` for one pass and wait for it (wait4: its own rusage)."""
     stem = workdir / f"{arm.label}-{spec.pass_index}"
     spec_path, out_path, err_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out"), stem.with_suffix(".err")
     spec_path.write_text(spec.to_json())
-    env = child_env({"OMP_NUM_THREADS": str(arm.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-    env.update(dict(arm.env))
+    env = worker_env(arm)
     t0 = time.perf_counter()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "edgeq.bench_worker", str(spec_path)], stdout=out, stderr=err,
