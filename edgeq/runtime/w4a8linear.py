@@ -5,12 +5,15 @@
   equal :func:`edgeq.layouts.w4a8.fingerprint` of the group size exactly (the bytes are fixed by the kernel's
   source, so there is nothing to repack: a different record is refused with both records' versions).
 - :class:`W4A8Linear`: ``y = W4A8(x)`` over the mapped ``M.qweight`` / ``M.scales`` / ``M.zeros`` (never copied),
-  for every M through one path chosen at load: the portable path :func:`edgeq.layouts.w4a8.w4a8_linear` (bit-exact
-  in bf16 to the kernel's arithmetic), or a compiled ``int4_scaled_mm_cpu`` (sglang's ``sgl_kernel`` or vLLM's
-  ``_C``) when one is importable **and** agrees with the portable path bit for bit on a probe.
+  for every M through one path chosen at load: a compiled kernel when one is available **and** agrees with the
+  portable path bit for bit on a probe -- first edgeq's own native op (:mod:`edgeq.runtime.native_w4a8`, built at
+  first use; source ``edgeq native (<isa>)``), then a compiled ``int4_scaled_mm_cpu`` (sglang's ``sgl_kernel`` or
+  vLLM's ``_C``) -- else the portable path :func:`edgeq.layouts.w4a8.w4a8_linear` (bit-exact in bf16 to the kernel's
+  arithmetic).
 - :func:`swap_w4a8`: what the loader calls instead of its W4A16 swap. Returns the consumed tensor names, mapped and
   copied bytes, and the settings that say which path runs (``decode_path`` / ``prefill_path``: ``w4a8_portable`` or
-  ``w4a8_kernel``; the same counter names in the runtime's Counter, one count per module call).
+  ``w4a8_kernel`` -- any compiled op, edgeq's native one included; the same counter names in the runtime's Counter,
+  one count per module call; ``w4a8_kernel`` / ``w4a8_compute`` name the op, e.g. ``compiled: edgeq native (amx)``).
 
 The path is never chosen silently: ``settings["w4a8_kernel"]`` says what was found and why it is or is not used.
 """
@@ -137,14 +140,31 @@ class KernelChoice:
 
     path: str  # PORTABLE | COMPILED
     fn: Callable | None
-    source: str  # "portable" | "sgl_kernel" | "vllm._C"
+    source: str  # "portable" | "edgeq native (<isa>)" | "sgl_kernel" | "vllm._C"
     reason: str
 
 
+NATIVE_PREFIX = "edgeq native"
+
+
+def native_candidate() -> tuple[tuple[str, Callable] | None, str]:
+    """(("edgeq native (<isa>)", fn), "") when edgeq's own W4A8 op is built and usable here, else (None, why not).
+    ``fn`` already has the portable path's signature. A bad ``EDGEQ_W4A8_ISA`` raises :class:`EdgeqError`."""
+    from edgeq.runtime import native_w4a8
+
+    if not native_w4a8.available():  # raises on a user error (unknown or unsupported forced ISA)
+        return None, f"edgeq native W4A8 kernel: {native_w4a8.status()['reason']}"
+    return (native_w4a8.source_name(), native_w4a8.w4a8_mm), ""
+
+
 def compiled_candidates() -> list[tuple[str, Callable]]:
-    """Importable compiled ``int4_scaled_mm_cpu`` ops as (source, op); importing is attempted only for installed
-    packages (``find_spec``), and any failure means "not available", never an exception."""
+    """Available compiled W4A8 ops as (source, op), best first: edgeq's native op (already in the portable path's
+    signature), then importable ``int4_scaled_mm_cpu`` ops (sglang / vLLM argument order). External packages are
+    imported only when installed (``find_spec``), and any failure there means "not available", never an exception."""
     found = []
+    native, _ = native_candidate()
+    if native is not None:
+        found.append(native)
     for source, module, ns in (("sgl_kernel", "sgl_kernel", "sgl_kernel"), ("vllm._C", "vllm._C", "_C")):
         if importlib.util.find_spec(module.split(".")[0]) is None:
             continue
@@ -201,15 +221,17 @@ def choose_kernel(group_size: int, use_compiled: bool = True,
         return KernelChoice(PORTABLE, None, "portable", "compiled kernel not requested")
     found = (candidates or compiled_candidates)()
     if not found:
+        why = native_candidate()[1] + "; " if candidates is None else ""
         return KernelChoice(PORTABLE, None, "portable",
-                            "no compiled int4_scaled_mm_cpu importable (sgl_kernel, vllm._C); portable path")
+                            f"{why}no compiled int4_scaled_mm_cpu importable (sgl_kernel, vllm._C); portable path")
     notes = []
     for source, op in found:
-        fn = _as_linear(op)
+        fn = op if source.startswith(NATIVE_PREFIX) else _as_linear(op)
+        label = source if source.startswith(NATIVE_PREFIX) else f"{source} int4_scaled_mm_cpu"
         ok, why = probe(fn, group_size)
         if ok:
-            return KernelChoice(COMPILED, fn, source, f"{source} int4_scaled_mm_cpu: {why}")
-        notes.append(f"{source} int4_scaled_mm_cpu {why}")
+            return KernelChoice(COMPILED, fn, source, f"{label}: {why}")
+        notes.append(f"{label} {why}")
     return KernelChoice(PORTABLE, None, "portable", "; ".join(notes) + "; using the portable path")
 
 
@@ -255,7 +277,7 @@ class W4A8Linear(nn.Module):
 
     @property
     def scratch_elems(self) -> int:
-        return 0  # the portable path's scratch is per call (bounded, freed on return), nothing shared
+        return 0  # both paths' scratch is per call (bounded, freed on return), nothing shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,249 @@
+// AVX512-VNNI path of the W4A8 kernel.
+//
+// One 64-byte group of a slot is 4 inputs x 32 rows: `v & 0x0F` is 16 dwords (lanes = rows 0-7, 16-23), each dword
+// the 4 consecutive-k int4 values of its row, exactly the signed operand vpdpbusd wants; `(v >> 4) & 0x0F` the same
+// for rows 8-15, 24-31. The zero point (one per row and block, replicated to the 4 bytes of the dword) is subtracted
+// in int8 (q - z in -15..15), the activation dword (4 bytes of q_a + 128, unsigned) is broadcast, and
+//     acc += (q_a + 128) . (q - z)        (vpdpbusd: 4 u8 x s8 products summed into an int32 lane, no saturation)
+// After a K block: acc - 128 * comp = sum q_a (q - z), exact (|acc| < 255 * 15 * 128 < 2^23), so the int32 -> fp32
+// conversion is exact too. Then t = fp32(acc) * s_a (_mm512_mul_ps, one rounding) and C = _mm512_fmadd_ps(t, s_w, C):
+// the same two roundings as the portable path's `acc.to(fp32).mul_(s_a)` and the checked-FMA `c.addcmul_(t, s_w)`.
+//
+// Loops. Decode (M <= 8): per column block, per K block, the slot's bytes are loaded and unpacked once per tile of
+// up to 4 activation rows (rows 5-8 re-read the slot from L1), so DRAM is read once. Prefill (M > 8): the column
+// block's K x 32 weights are unpacked once into scratch (K*32 bytes, L2) as q - z and reused by every tile of 8 rows.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "w4a8mm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+namespace edgeq_w4a8 {
+namespace {
+
+constexpr int64_t kPrefetch = 8192;
+
+// (rows 0-15, rows 16-31) -> (lo lanes, hi lanes); the same shuffle maps lane order back to row order.
+inline void swap_order(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
+  lo = _mm512_shuffle_i32x4(r0, r1, 0x44);
+  hi = _mm512_shuffle_i32x4(r0, r1, 0xEE);
+}
+
+inline void load_lanes_ps(const float* p, __m512& lo, __m512& hi) {
+  __m512i a, b;
+  swap_order(_mm512_castps_si512(_mm512_loadu_ps(p)), _mm512_castps_si512(_mm512_loadu_ps(p + 16)), a, b);
+  lo = _mm512_castsi512_ps(a);
+  hi = _mm512_castsi512_ps(b);
+}
+
+// zero points of a block as the int8 bytes to subtract: each dword = z of its lane's row, in all 4 bytes.
+inline void zero_bytes(const int8_t* z, __m512i& zlo, __m512i& zhi) {
+  const __m512i r0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
+  const __m512i r1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + 16)));
+  swap_order(r0, r1, zlo, zhi);
+  const __m512i rep = _mm512_set1_epi32(0x01010101);
+  zlo = _mm512_mullo_epi32(zlo, rep);
+  zhi = _mm512_mullo_epi32(zhi, rep);
+}
+
+// fp32 [16] -> bf16 bits, round to nearest even (integer rule, as c10::BFloat16; no flush of subnormals).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// C [rows][32] fp32 in lane order (lo 16 then hi 16), initialised from the bias.
+inline void init_c(const Args& a, int64_t nb, float* C, int rows) {
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  if (a.bias) load_lanes_ps(a.bias + nb * kBlockN, lo, hi);
+  for (int m = 0; m < rows; ++m) {
+    _mm512_store_ps(C + m * 32, lo);
+    _mm512_store_ps(C + m * 32 + 16, hi);
+  }
+}
+
+inline void store_c(const Args& a, int64_t nb, const float* C, int64_t m0, int rows) {
+  for (int m = 0; m < rows; ++m) {
+    __m512i r0, r1;
+    swap_order(_mm512_castps_si512(_mm512_load_ps(C + m * 32)), _mm512_castps_si512(_mm512_load_ps(C + m * 32 + 16)),
+               r0, r1);
+    uint16_t* y = a.y + (m0 + m) * a.N + nb * kBlockN;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), to_bf16(_mm512_castsi512_ps(r0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), to_bf16(_mm512_castsi512_ps(r1)));
+  }
+}
+
+// The K block epilogue for MT rows: acc -> C (lane order) with the kernel's rounding.
+template <int MT>
+inline void epilogue(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot, int64_t m0, __m512i (&acc)[MT][2],
+                     float* C) {
+  const int32_t* comp = reinterpret_cast<const int32_t*>(slot + a.bk * 16);
+  __m512i clo, chi;
+  swap_order(_mm512_loadu_si512(comp), _mm512_loadu_si512(comp + 16), clo, chi);
+  clo = _mm512_slli_epi32(clo, 7);
+  chi = _mm512_slli_epi32(chi, 7);
+  __m512 slo, shi;
+  load_lanes_ps(a.scales + (nb * a.kblocks() + kb) * kBlockN, slo, shi);
+  for (int m = 0; m < MT; ++m) {
+    const __m512 sa = _mm512_set1_ps(a.sa[m0 + m]);
+    const __m512 tlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], clo)), sa);
+    const __m512 thi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], chi)), sa);
+    float* c = C + m * 32;
+    _mm512_store_ps(c, _mm512_fmadd_ps(tlo, slo, _mm512_load_ps(c)));
+    _mm512_store_ps(c + 16, _mm512_fmadd_ps(thi, shi, _mm512_load_ps(c + 16)));
+  }
+}
+
+inline int32_t dword(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Decode tile: MT rows x one slot, weights unpacked from the packed bytes.
+template <int MT>
+inline void tile_packed(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot, __m512i zlo, __m512i zhi,
+                        int64_t m0, float* C) {
+  __m512i acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* x = a.au8 + m0 * a.K + kb * a.bk;
+  for (int64_t kg = 0; kg < a.bk / 4; ++kg) {
+    _mm_prefetch(reinterpret_cast<const char*>(slot + kg * 64 + kPrefetch), _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(slot + kg * 64);
+    const __m512i wlo = _mm512_sub_epi8(_mm512_and_si512(v, low4), zlo);
+    const __m512i whi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), zhi);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xa = _mm512_set1_epi32(dword(x + m * a.K + kg * 4));
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xa, wlo);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xa, whi);
+    }
+  }
+  epilogue<MT>(a, nb, kb, slot, m0, acc, C);
+}
+
+// Prefill tile: MT rows x one K block, weights from the unpacked scratch w (per kg: 64 bytes lo, 64 bytes hi).
+template <int MT>
+inline void tile_unpacked(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot, const int8_t* w, int64_t m0,
+                          float* C) {
+  __m512i acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  const uint8_t* x = a.au8 + m0 * a.K + kb * a.bk;
+  for (int64_t kg = 0; kg < a.bk / 4; ++kg) {
+    const __m512i wlo = _mm512_load_si512(w + kg * 128);
+    const __m512i whi = _mm512_load_si512(w + kg * 128 + 64);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xa = _mm512_set1_epi32(dword(x + m * a.K + kg * 4));
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xa, wlo);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xa, whi);
+    }
+  }
+  epilogue<MT>(a, nb, kb, slot, m0, acc, C);
+}
+
+template <int MT>
+void decode_rows(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot, __m512i zlo, __m512i zhi, int64_t m0,
+                 int rows, float* C) {
+  switch (rows) {
+    case 1: return tile_packed<1>(a, nb, kb, slot, zlo, zhi, m0, C);
+    case 2: return tile_packed<2>(a, nb, kb, slot, zlo, zhi, m0, C);
+    case 3: return tile_packed<3>(a, nb, kb, slot, zlo, zhi, m0, C);
+    default: return tile_packed<4>(a, nb, kb, slot, zlo, zhi, m0, C);
+  }
+}
+
+template <int MT>
+inline void prefill_dispatch(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot, const int8_t* w, int64_t m0,
+                             int rows, float* C) {
+  if constexpr (MT == 0) {
+    (void)a, (void)nb, (void)kb, (void)slot, (void)w, (void)m0, (void)rows, (void)C;
+  } else {
+    if (rows == MT) return tile_unpacked<MT>(a, nb, kb, slot, w, m0, C);
+    return prefill_dispatch<MT - 1>(a, nb, kb, slot, w, m0, rows, C);
+  }
+}
+
+constexpr int kDecodeRows = 4;   // accumulators: 2 per row in registers
+constexpr int kPrefillRows = 8;  // 16 accumulators + 2 weights + broadcasts fit the 32 zmm registers
+
+}  // namespace
+
+void quantize_rows_vnni(const uint16_t* xb, const float* xf32, int64_t K, int64_t m0, int64_t m1, uint8_t* au8,
+                        float* sa) {
+  // K % 32 == 0 (checked by the binding). Exact steps as the portable path: |x| and max are exact, 127/amax one
+  // division, x*inv one rounded multiply, round to nearest even by the explicit rounding mode.
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  auto load16 = [&](int64_t m, int64_t k) -> __m512 {
+    if (xf32) return _mm512_loadu_ps(xf32 + m * K + k);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + m * K + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  for (int64_t m = m0; m < m1; ++m) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load16(m, k), absmask));
+    float amax = _mm512_reduce_max_ps(mx);
+    amax = amax > kActEps ? amax : kActEps;
+    const float inv = 127.f / amax;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(load16(m, k), vinv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(au8 + m * K + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, off)));
+    }
+    sa[m] = amax / 127.f;
+  }
+}
+
+void block_vnni(const Args& a, int64_t nb, uint8_t* scratch) {
+  const int64_t M = a.M, KB = a.kblocks(), slot_bytes = a.slot_bytes();
+  const uint8_t* slots = a.qw + nb * KB * slot_bytes;
+  const int8_t* zeros = a.zeros + nb * KB * kBlockN;
+  int8_t* w = reinterpret_cast<int8_t*>(scratch);                           // K * 32 bytes (prefill)
+  float* C = reinterpret_cast<float*>(scratch + ((a.K * 32 + 63) & ~63));  // up to 8 rows x 32 fp32
+  if (M <= 2 * kDecodeRows) {
+    init_c(a, nb, C, static_cast<int>(M));
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* slot = slots + kb * slot_bytes;
+      __m512i zlo, zhi;
+      zero_bytes(zeros + kb * kBlockN, zlo, zhi);
+      for (int64_t m0 = 0; m0 < M; m0 += kDecodeRows) {
+        const int rows = static_cast<int>(M - m0 < kDecodeRows ? M - m0 : kDecodeRows);
+        decode_rows<kDecodeRows>(a, nb, kb, slot, zlo, zhi, m0, rows, C + m0 * 32);
+      }
+    }
+    store_c(a, nb, C, 0, static_cast<int>(M));
+    return;
+  }
+  // Prefill: unpack the column block once (q - z, lo/hi per kg), then tiles of 8 rows over all K blocks.
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* slot = slots + kb * slot_bytes;
+    __m512i zlo, zhi;
+    zero_bytes(zeros + kb * kBlockN, zlo, zhi);
+    int8_t* wk = w + kb * a.bk * 32;
+    for (int64_t kg = 0; kg < a.bk / 4; ++kg) {
+      const __m512i v = _mm512_loadu_si512(slot + kg * 64);
+      _mm512_store_si512(wk + kg * 128, _mm512_sub_epi8(_mm512_and_si512(v, low4), zlo));
+      _mm512_store_si512(wk + kg * 128 + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), zhi));
+    }
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kPrefillRows) {
+    const int rows = static_cast<int>(M - m0 < kPrefillRows ? M - m0 : kPrefillRows);
+    init_c(a, nb, C, rows);
+    for (int64_t kb = 0; kb < KB; ++kb)
+      prefill_dispatch<kPrefillRows>(a, nb, kb, slots + kb * slot_bytes, w + kb * a.bk * 32, m0, rows, C);
+    store_c(a, nb, C, m0, rows);
+  }
+}
+
+}  // namespace edgeq_w4a8
+
+#pragma GCC pop_options

@@ -1,0 +1,198 @@
+"""edgeq's native W4A8 kernel over the stored ``amx_w4a8`` layout: build at first use, load, choose the ISA path, call.
+
+``w4a8_mm(x, qweight, scales, zeros, group_size, bias=None)`` computes exactly what
+:func:`edgeq.layouts.w4a8.w4a8_linear` (``fused=True``) computes, bit for bit in bf16: per-token int8 activations
+(``127 / amax`` one division, round half to even), exact int32 dot products per K block, ``C = fma(fp32(acc) * s_a,
+s_w, C)`` block by block from the fp32 bias, bf16 round-to-nearest-even. It reads the packed tensors as stored (no
+repacking, no second copy). Design and the exactness argument: docs/w4a8.md, "Native kernel".
+
+ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|vnni|amx``; ``off`` disables the kernel; unset/``auto`` picks the
+best the CPU has; a forced path the CPU lacks, or an unknown value, is an :class:`EdgeqError`):
+
+- ``amx``: AMX-INT8 tiles (``tdpbusd``) for M > 8, the VNNI code below that (decode is memory-bound).
+- ``vnni``: AVX512-VNNI ``vpdpbusd`` on (q_a + 128) x (q - z), minus 128 * the stored compensation.
+- ``scalar``: portable C++ (any x86-64 CPU without AVX512-VNNI).
+
+Its own extension and ``TORCH_LIBRARY(edgeq_w4a8)`` namespace, separate from :mod:`edgeq.runtime.native` (a process
+holds one library per namespace). Built into ``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``)``/native_w4a8/<key>``,
+key = sha256 of the sources, flags, torch version and Python ABI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.runtime.native import _short, cache_dir
+
+ENV_ISA = "EDGEQ_W4A8_ISA"
+ISAS = ("scalar", "vnni", "amx")  # worst first
+_ISA_CODE = {"scalar": 0, "vnni": 1, "amx": 2}
+_FEATURE_BIT = {"vnni": 1, "amx": 2}
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = ("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp")
+_HEADERS = ("w4a8mm.h",)
+# -ffp-contract=off: no multiply-add is fused unless written as one (the kernel's rounding is part of its contract).
+# -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP.
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
+_LDFLAGS = ("-fopenmp",)
+
+
+@dataclass
+class _State:
+    available: bool = False
+    isa: str | None = None
+    reason: str = "not loaded yet"
+    user_error: bool = False
+    build_seconds: float | None = None
+    built_now: bool = False
+    library: str | None = None
+    cpu_isas: tuple[str, ...] = ()
+    forced: str | None = None
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+_calls = 0
+_loaded_library: str | None = None
+
+
+def build_key() -> str:
+    """sha256 over the kernel sources, flags, torch version and Python ABI."""
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes() + b"\0")
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    h.update(f"{torch.__version__}|{sys.implementation.cache_tag}|{platform.machine()}".encode())
+    return h.hexdigest()
+
+
+def _compile(key: str) -> tuple[str, bool]:
+    """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
+    from torch.utils import cpp_extension  # lazily: it pulls in setuptools
+
+    global _loaded_library
+    if _loaded_library is not None:
+        return _loaded_library, False
+    name = f"edgeq_w4a8_{key[:16]}"
+    build_dir = cache_dir() / "native_w4a8" / key[:16]
+    lib, done = build_dir / f"{name}.so", build_dir / "ok"
+    built = False
+    if done.exists() and lib.exists():
+        torch.ops.load_library(str(lib))
+    else:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+        done.write_text(f"{torch.__version__}\n")
+        built = True
+    _loaded_library = str(lib)
+    return _loaded_library, built
+
+
+def _cpu_features() -> int:
+    """bit 0: the vnni path's instructions, bit 1: amx (AMX-TILE/INT8 granted by the OS); asked from the library."""
+    return int(torch.ops.edgeq_w4a8.cpu_features())
+
+
+def _lacks_message(forced: str, has: tuple[str, ...]) -> str:
+    return (f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; vnni needs AVX512 F/BW/VL/DQ + VNNI, "
+            "amx needs that plus AMX-TILE/AMX-INT8 granted by Linux); unset it or choose one of those")
+
+
+def _load() -> _State:
+    """Read EDGEQ_W4A8_ISA, build or load the library, pick the ISA: once per process (tests may reset ``_state``)."""
+    global _state
+    with _lock:
+        if _state is not None:
+            return _state
+        st = _State()
+        forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
+        st.forced = None if forced == "auto" else forced
+        if forced not in ISAS + ("auto", "off"):
+            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, vnni, scalar, off, auto; fix or unset it"
+            st.user_error = True
+        elif forced == "off":
+            st.reason = f"disabled by {ENV_ISA}=off"
+        elif platform.machine().lower() not in ("x86_64", "amd64"):
+            st.reason = f"the native W4A8 kernel is x86-64 only (this is {platform.machine()})"
+        else:
+            t0 = time.perf_counter()
+            try:
+                st.library, st.built_now = _compile(build_key())
+                bits = _cpu_features()
+                st.cpu_isas = ("scalar",) + tuple(i for i, b in _FEATURE_BIT.items() if bits & b)
+            except Exception as e:  # noqa: BLE001 - any build/load failure: the portable path runs, and says why
+                st.reason = f"native W4A8 kernel build/load failed: {_short(e)}"
+                _state = st
+                return st
+            st.build_seconds = round(time.perf_counter() - t0, 3)
+            if forced != "auto" and forced not in st.cpu_isas:
+                st.reason, st.user_error = _lacks_message(forced, st.cpu_isas), True
+            else:
+                st.isa = st.cpu_isas[-1] if forced == "auto" else forced
+                st.available = True
+                st.reason = "ok" if forced == "auto" else f"forced by {ENV_ISA}={forced}"
+        _state = st
+        return st
+
+
+def available() -> bool:
+    """True when the kernel is built and usable here; a bad ``EDGEQ_W4A8_ISA`` raises :class:`EdgeqError`."""
+    st = _load()
+    if st.user_error:
+        raise EdgeqError(st.reason)
+    return st.available
+
+
+def status() -> dict:
+    """{available, isa, reason, build_seconds, built_now, library, cpu_isas, forced, calls}."""
+    st = _load()
+    return {"available": st.available, "isa": st.isa, "reason": st.reason, "build_seconds": st.build_seconds,
+            "built_now": st.built_now, "library": st.library, "cpu_isas": list(st.cpu_isas), "forced": st.forced,
+            "calls": _calls}
+
+
+def call_count() -> int:
+    return _calls
+
+
+def source_name() -> str:
+    """How the runtime names this kernel, e.g. ``edgeq native (vnni)``."""
+    st = _load()
+    return f"edgeq native ({st.isa})"
+
+
+def w4a8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None = None, *, isa: str | None = None) -> torch.Tensor:
+    """bf16 [M, N] = W4A8(x [M, K] bf16/fp32) with the portable path's signature and bits; ``isa`` overrides the
+    process's choice for one call (tests, benchmarks). Raises :class:`EdgeqError` when unavailable or on bad input."""
+    global _calls
+    st = _state or _load()
+    if not st.available:
+        if st.user_error:
+            raise EdgeqError(st.reason)
+        raise EdgeqError(f"native w4a8_mm is not available: {st.reason}")
+    if isa is None:
+        code = _ISA_CODE[st.isa]
+    elif isa in st.cpu_isas:
+        code = _ISA_CODE[isa]
+    else:
+        raise EdgeqError(f"native w4a8_mm: isa {isa!r} is not one this CPU runs ({', '.join(st.cpu_isas)})")
+    try:
+        y = torch.ops.edgeq_w4a8.w4a8_mm.default(x, qweight, scales, zeros, group_size, bias, code)
+    except RuntimeError as e:
+        raise EdgeqError(f"native w4a8_mm: {str(e).splitlines()[0]}") from e
+    _calls += 1
+    return y
