@@ -28,9 +28,9 @@ void quantize_rows_scalar(const uint16_t* xb, const float* xf32, int64_t K, int6
 }
 
 int64_t scratch_bytes(int64_t K, int64_t M) {
-  // vnni/amx: the unpacked block (q - z as int8, K*32 bytes), the fp32 accumulator of up to 16 rows (16*32*4),
-  // int32 tile results (2 * 16 * 16 * 4); scalar: M*32 floats. Rounded up generously.
-  const int64_t a = K * 32 + 16 * 32 * 4 + 2 * 16 * 16 * 4 + 4096;
+  // vnni/amx: the unpacked block (q - z as int8, K*32 bytes), the fp32 accumulator of up to 32 rows (32*32*4),
+  // int32 tile results (4 * 16 * 16 * 4); scalar: M*32 floats. Rounded up generously.
+  const int64_t a = K * 32 + 32 * 32 * 4 + 4 * 16 * 16 * 4 + 4096;
   const int64_t b = M * 32 * 4 + 4096;
   return a > b ? a : b;
 }
