@@ -19,7 +19,8 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
 from edgeq.runtime import native_w4a8, w4a8linear
 
-# (M, N, K, G): decode M 1..8 (both decode tiles and the 4-row split), prefill M 33 and 130 (8-row tiles + tails);
+# (M, N, K, G): decode M 1..8 (both decode tiles and the 4-row split), prefill M 20..130 (VNNI 8-row tiles + tails;
+# AMX 32-row steps with a full, partial (20, 50) or absent (33, 130) second 16-row tile);
 # N from one 32-row block to a few hundred; K from one K block to many.
 CASES = [
     (1, 32, 32, 32),
@@ -28,7 +29,9 @@ CASES = [
     (3, 96, 384, 128),
     (7, 64, 256, 32),
     (8, 288, 512, 64),
+    (20, 64, 256, 128),
     (33, 96, 512, 128),
+    (50, 96, 256, 32),
     (130, 64, 192, 32),
     (130, 320, 256, 64),
 ]
