@@ -42,7 +42,11 @@ void quantize_rows_scalar(const uint16_t* xb, const float* xf32, int64_t K, int6
 void quantize_rows_vnni(const uint16_t* xb, const float* xf32, int64_t K, int64_t m0, int64_t m1, uint8_t* au8,
                         float* sa);
 
-// Column block nb (32 output rows), all M rows. scratch: at least scratch_bytes(K, M) bytes, 64-byte aligned.
+// Column block nb (32 output rows), all M rows. scratch: 64-byte aligned, at least scratch_bytes(K, M) bytes, or
+// only decode_scratch_bytes for block_vnni with M <= kDecodeMaxRows (the decode path streams the packed bytes and
+// keeps just the fp32 rows: no per-call allocation that grows with K).
+constexpr int64_t kDecodeMaxRows = 8;
+constexpr int64_t kDecodeScratchBytes = kDecodeMaxRows * 32 * 4;
 int64_t scratch_bytes(int64_t K, int64_t M);
 void block_scalar(const Args& a, int64_t nb, uint8_t* scratch);
 void block_vnni(const Args& a, int64_t nb, uint8_t* scratch);

@@ -90,13 +90,20 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 
   Args a{au, sap, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<int8_t>(), bptr,
          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K, bk};
+  if (isa >= 1 && M <= edgeq_w4a8::kDecodeMaxRows) {  // decode: a stack buffer, nothing allocated per call
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      alignas(64) uint8_t scratch[edgeq_w4a8::kDecodeScratchBytes];
+      for (int64_t nb = b0; nb < b1; ++nb) edgeq_w4a8::block_vnni(a, nb, scratch);
+    });
+    return y;
+  }
   const int64_t sbytes = (edgeq_w4a8::scratch_bytes(K, M) + 63) & ~int64_t(63);
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::unique_ptr<uint8_t, FreeDeleter> scratch(static_cast<uint8_t*>(std::aligned_alloc(64, sbytes)));
     TORCH_CHECK(scratch, "w4a8_mm: out of memory for ", sbytes, " bytes of scratch");
     for (int64_t nb = b0; nb < b1; ++nb) {
-      if (isa == 2 && M > 8) edgeq_w4a8::block_amx(a, nb, scratch.get());
-      else if (isa >= 1) edgeq_w4a8::block_vnni(a, nb, scratch.get());
+      if (isa == 2) edgeq_w4a8::block_amx(a, nb, scratch.get());
+      else if (isa == 1) edgeq_w4a8::block_vnni(a, nb, scratch.get());
       else edgeq_w4a8::block_scalar(a, nb, scratch.get());
     }
   });

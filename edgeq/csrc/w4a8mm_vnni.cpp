@@ -142,9 +142,8 @@ void block_vnni(const Args& a, int64_t nb, uint8_t* scratch) {
   const int64_t M = a.M, KB = a.kblocks(), slot_bytes = a.slot_bytes();
   const uint8_t* slots = a.qw + nb * KB * slot_bytes;
   const int8_t* zeros = a.zeros + nb * KB * kBlockN;
-  int8_t* w = reinterpret_cast<int8_t*>(scratch);                           // K * 32 bytes (prefill)
-  float* C = reinterpret_cast<float*>(scratch + ((a.K * 32 + 63) & ~63));  // up to 8 rows x 32 fp32
-  if (M <= 2 * kDecodeRows) {
+  if (M <= kDecodeMaxRows) {
+    float* C = reinterpret_cast<float*>(scratch);  // M rows x 32 fp32 (decode_scratch_bytes)
     init_c(a, nb, C, static_cast<int>(M));
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* slot = slots + kb * slot_bytes;
@@ -159,6 +158,8 @@ void block_vnni(const Args& a, int64_t nb, uint8_t* scratch) {
     return;
   }
   // Prefill: unpack the column block once (q - z, lo/hi per kg), then tiles of 8 rows over all K blocks.
+  int8_t* w = reinterpret_cast<int8_t*>(scratch);                           // K * 32 bytes
+  float* C = reinterpret_cast<float*>(scratch + ((a.K * 32 + 63) & ~63));  // 8 rows x 32 fp32
   unpack_column_block(a, nb, w);
   for (int64_t m0 = 0; m0 < M; m0 += kPrefillRows) {
     const int rows = static_cast<int>(M - m0 < kPrefillRows ? M - m0 : kPrefillRows);
