@@ -35,6 +35,9 @@ CASES = [
     (7, 128 + 32, 512, 64),
     (8, 192 + 48, 1536, 128),
     (33, 256 + 16, 768, 128),
+    (17, 192, 512, 32),  # prefill shapes: the AMX path decodes each group once for all 16-row chunks
+    (64, 128 + 32, 1024, 64),
+    (130, 64, 512, 256),
 ]
 
 
@@ -128,6 +131,17 @@ def test_isa_paths_agree_closely(ready, here):
     ys = {isa: native.int4_mm(x, qw, 128, sz, isa=isa) for isa in ready["cpu_isas"]}
     for isa, y in ys.items():
         assert float((y != ys["scalar"]).double().mean()) <= 0.02, isa
+
+
+def test_amx_prefill_rows_equal_decode_rows(ready, here):
+    """The M > 16 AMX path (groups decoded once, x padded to 16-row tiles) computes each row exactly as the M <= 16
+    path does (AMX rows are independent): a 37-row call equals its rows computed 8 and 5 at a time, bit for bit."""
+    if "amx" not in ready["cpu_isas"]:
+        pytest.skip("no AMX here")
+    x, qw, sz, _, _ = _problem(37, 256 + 64, 768, 128, seed=5, layout=here)
+    big = native.int4_mm(x, qw, 128, sz, isa="amx")
+    parts = torch.cat([native.int4_mm(x[i : i + 8], qw, 128, sz, isa="amx") for i in range(0, 37, 8)])
+    assert torch.equal(big, parts)
 
 
 def test_threads_do_not_change_bits(ready, here):

@@ -141,10 +141,97 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
     }
 }
 
+// M > 16 (prefill): decode each group of the block once into B tiles and apply them to every 16-row chunk of x,
+// instead of decoding the block again for each chunk (M / 16 times). Requires x readable for ceil(M / 16) * 16 rows
+// (the caller pads it); rows >= M of the C tiles are computed and ignored. Same per-group scaling as above.
+template <int S>
+void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
+  constexpr int NV = S / 32;
+  const int64_t M = a.M, K = a.K, G = a.G, ng = K / G, steps = G / 32;
+  const uint8_t* w = a.qw + row0 * (K / 2);
+  __m512i idx[NV];
+  for (int v = 0; v < NV; ++v) idx[v] = pair_index(S / 2, v);
+  alignas(64) uint16_t bt[8][NV][2][16 * 32];  // one group (G <= 256: 8 steps of 32 k)
+  alignas(64) float cbuf[NV][2][16 * 16];
+  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 fp32, A 16 x 32 bf16
+  for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // B: 16 pairs x 16
+  _tile_loadconfig(&cfg);
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t st = 0; st < steps; ++st) decode_32k<S>(w + (g * G + 32 * st) * (S / 2), idx, bt[st]);
+    const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+    __m512 c_dot[NV][2], c_sum[NV][2];
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h) {
+        const __m512i d = _mm512_loadu_si512(sz + 2 * (h * (S / 2) + 16 * v));
+        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+        const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        c_dot[v][h] = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+        c_sum[v][h] = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+      }
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int mt = static_cast<int>(M - m0 < 16 ? M - m0 : 16);
+      const uint16_t* x = a.x + m0 * K + g * G;
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (NV == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t st = 0; st < steps; ++st) {
+        auto& b = bt[st];
+        _tile_loadd(4, x + 32 * st, K * 2);
+        _tile_loadd(5, b[0][0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b[0][1], 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if constexpr (NV == 2) {
+          _tile_loadd(7, b[1][0], 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, b[1][1], 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, cbuf[0][0], 64);
+      _tile_stored(1, cbuf[0][1], 64);
+      if constexpr (NV == 2) {
+        _tile_stored(2, cbuf[1][0], 64);
+        _tile_stored(3, cbuf[1][1], 64);
+      }
+      for (int m = 0; m < mt; ++m) {
+        const __m512 xsum = _mm512_set1_ps(a.xs[(m0 + m) * ng + g]);
+        float* yrow = ys + (m0 + m) * S;
+        for (int v = 0; v < NV; ++v)
+          for (int h = 0; h < 2; ++h) {
+            float* yp = yrow + h * (S / 2) + 16 * v;
+            __m512 y = _mm512_loadu_ps(yp);
+            y = _mm512_fmadd_ps(c_dot[v][h], _mm512_load_ps(cbuf[v][h] + m * 16), y);
+            y = _mm512_fmadd_ps(c_sum[v][h], xsum, y);
+            _mm512_storeu_ps(yp, y);
+          }
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < S; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+}
+
 }  // namespace
 
 bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
   if (mode != kHalves) return false;
+  if (a.M > 16 && a.G <= 256) {
+    if (s == 64) return block_halves_large_m<64>(a, row0, ys), true;
+    if (s == 32) return block_halves_large_m<32>(a, row0, ys), true;
+    return false;
+  }
   if (s == 64) return block_halves<64>(a, row0, ys), true;
   if (s == 32) return block_halves<32>(a, row0, ys), true;
   return false;
