@@ -112,6 +112,20 @@ def _load(path: Path):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def portable_path():
+    """These tests pin the portable path (its counters, notes and numbers); edgeq's native op, which the loader
+    prefers, is tested bit for bit against it in tests/test_native_w4a8.py."""
+    from edgeq.runtime import native_w4a8
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGEQ_W4A8_ISA", "off")
+    saved, native_w4a8._state = native_w4a8._state, None
+    yield
+    mp.undo()
+    native_w4a8._state = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Small ops on 2 cores shared with other test runs spend most of their time waiting for a parked OpenMP thread
     (measured: quantize_w4a8 of a 256 x 128 weight 0.7 s with 2 threads, 7 ms with 1); the numbers do not depend on it."""
