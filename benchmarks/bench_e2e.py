@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edgeq, whatever pip points at
 from synthetic import SHAPES, write  # noqa: E402
 
-from edgeq.bench import Arm, BenchConfig, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
+from edgeq.bench import Arm, BenchConfig, compare, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
 SCHEME = "w4a16-g128"
+SCHEME_W4A8 = "w4a8-g128"
+NAMES = {"A": SCHEME, "W": SCHEME_W4A8, "B": "bf16 reference", "G": "llama.cpp Q4_K_M"}
 
 
 def mib(n: float) -> str:
@@ -46,22 +48,25 @@ def gguf_possible() -> str | None:
     return None
 
 
-def prepare(model: str, workdir: Path, want_gguf: bool) -> dict:
+def prepare(model: str, workdir: Path, want_gguf: bool, schemes=(SCHEME,)) -> dict:
     src = workdir / f"{model}-bf16"
     if not (src / "config.json").exists():
         log(f"{model}: writing the synthetic bf16 checkpoint")
         write(dict(SHAPES[model]), src)
-    q = workdir / f"{model}-{SCHEME}"
-    conversion = None
-    if not (q / "edgeq_manifest.json").exists():
-        log(f"{model}: edgeq quantize (child process, timed)")
-        conversion = run_convert(str(src), SCHEME, None, passes=1, keep=q)
-        if conversion.failures:
-            raise SystemExit(f"{model}: conversion failed: {conversion.failures}")
-        (workdir / f"{model}-convert.json").write_text(to_json(conversion))
-    else:
-        saved = workdir / f"{model}-convert.json"
-        conversion = json.loads(saved.read_text()) if saved.exists() else None
+    out = {}
+    for scheme in schemes:
+        q = workdir / f"{model}-{scheme}"
+        saved = workdir / (f"{model}-convert.json" if scheme == SCHEME else f"{model}-{scheme}-convert.json")
+        conversion = None
+        if not (q / "edgeq_manifest.json").exists():
+            log(f"{model}: edgeq quantize --scheme {scheme} (child process, timed)")
+            conversion = run_convert(str(src), scheme, None, passes=1, keep=q)
+            if conversion.failures:
+                raise SystemExit(f"{model}: conversion failed: {conversion.failures}")
+            saved.write_text(to_json(conversion))
+        elif saved.exists():
+            conversion = json.loads(saved.read_text())
+        out[scheme] = (q, conversion)
     gguf = None
     if want_gguf:
         from gguf_synthetic import build_q4_k_m  # noqa: PLC0415 - optional extra
@@ -70,16 +75,17 @@ def prepare(model: str, workdir: Path, want_gguf: bool) -> dict:
         if not gguf.exists():
             log(f"{model}: writing GGUF F16 and quantising to Q4_K_M with llama.cpp")
             build_q4_k_m(src, gguf, threads=2)
-    return {"src": src, "quantized": q, "gguf": gguf, "conversion": conversion}
+    return {"src": src, "quantized": out[SCHEME][0], "gguf": gguf, "conversion": out[SCHEME][1],
+            "w4a8": out.get(SCHEME_W4A8, (None, None))[0], "conversion_w4a8": out.get(SCHEME_W4A8, (None, None))[1]}
 
 
-def _conv_row(model: str, c) -> str:
+def _conv_row(model: str, c, scheme: str = SCHEME) -> str:
     if c is None:
-        return f"| {model} | (converted earlier, not measured) | | | |"
+        return f"| {model} | {scheme}: (converted earlier, not measured) | | | |"
     if not isinstance(c, dict):
         c = json.loads(to_json(c))
     s, p = c["seconds"], c["peak_rss"]
-    return (f"| {model} | {mib(c['bytes_in'])} -> {mib(c['bytes_out'])} | {s['median']:.0f} s | {mib(p['median'])} | "
+    return (f"| {model} | {scheme}: {mib(c['bytes_in'])} -> {mib(c['bytes_out'])} | {s['median']:.0f} s | {mib(p['median'])} | "
             f"{mib(c['peak_anon']['median'])} |")
 
 
@@ -87,7 +93,7 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
     lines = [
         f"Machine: {machine['cpu']}, {machine['cores']} cores ({', '.join(machine['flags'])}), "
         f"{machine['memory_bytes'] / 2**30:.0f} GiB; threads {args.threads}; {machine['date']}; load average "
-        f"{machine['loadavg_start'][0]:.1f} at the start (other jobs shared the machine). edgeq bench: "
+        f"{machine['loadavg_start'][0]:.1f} at the start. edgeq bench: "
         f"{args.passes} passes per arm, each a fresh process, arms interleaved; prompt {args.prompt_len} tokens, "
         f"{args.gen_len} generated; median [min-max].",
         "",
@@ -100,18 +106,22 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
             lines.append(f"| {model} | FAILED: {report.failures[0]['error'][:120]} | | | | |")
             continue
         for s in report.arms:
-            name = {"A": SCHEME, "B": "bf16 reference", "G": "llama.cpp Q4_K_M"}[s.label]
+            name = NAMES[s.label]
             t = s.timing
             share = "/".join(f"{t[k].median:.0%}" for k in ("cpu_share_prefill", "cpu_share_decode") if k in t)
             lines.append(f"| {model} | {name} | {fmt_stat(t['pp_tok_s'], 'tok/s')} | {fmt_stat(t['tg_tok_s'], 'tok/s')} "
                          f"| {fmt_stat(t['ttft_s'], 's')} | {fmt_stat(t['load_s'], 's')} | {share or 'n/a'} |")
-    lines += ["", "Ratios of medians (A / other; > 1 means edgeq is faster for pp and tg):", "",
-              "| model | vs | prefill | decode | ranges (pp, tg) |", "|---|---|---|---|---|"]
+    lines += ["", "Ratios of medians (edgeq arm / other, from the same interleaved run; > 1 means the edgeq arm is "
+              "faster):", "", "| model | arm | vs | prefill | decode | ranges (pp, tg) |", "|---|---|---|---|---|---|"]
     for model, prep, report in results:
-        for c in report.comparisons or ():
+        if not report.ok:
+            continue
+        by = {s.label: s for s in report.arms}
+        pairs = [(a, b) for a in ("A", "W") for b in ("B", "G", "A") if a in by and b in by and a != b]
+        for a, b in pairs:
+            c = compare(by[a], by[b])
             rows = {r["metric"]: r for r in c.rows}
-            other = {"B": "bf16 reference", "G": "llama.cpp Q4_K_M"}[c.b]
-            lines.append(f"| {model} | {other} | {rows['pp_tok_s']['ratio']:.2f}x | {rows['tg_tok_s']['ratio']:.2f}x | "
+            lines.append(f"| {model} | {NAMES[a]} | {NAMES[b]} | {rows['pp_tok_s']['ratio']:.2f}x | {rows['tg_tok_s']['ratio']:.2f}x | "
                          f"{'overlap' if rows['pp_tok_s']['overlap'] else 'disjoint'}, "
                          f"{'overlap' if rows['tg_tok_s']['overlap'] else 'disjoint'} |")
     lines += ["", "Memory at steady state (after the timed request), pass with the median RSS; peak during load:", "",
@@ -121,7 +131,7 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
         for s in report.arms if report.ok else ():
             led = s.ledger
             ck = led["checkpoint"]
-            name = {"A": SCHEME, "B": "bf16", "G": "llama.cpp"}[s.label]
+            name = NAMES[s.label]
             kv_t = mib(led["kv_touched"]) if led["kv_touched"] is not None else "n/a"
             lines.append(f"| {model} | {name} | {mib(s.memory['peak_load'].median)} | {mib(led['total'])} | "
                          f"{mib(led['rss_anon'])} | {mib(led['rss_file'] + led['rss_shmem'])} | "
@@ -135,8 +145,9 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
         for r in (a.projection or {}).get("rows", []) if a else ():
             lines.append(f"| {model} | {r['category']} | {mib(r['projected'])} | {mib(r['measured'])} | {mib(r['diff'])} |")
     lines += ["", "Conversion (`edgeq quantize` in a child process; peak RSS from wait4):", "",
-              "| model | bf16 -> w4a16-g128 | time | peak RSS | peak RssAnon |", "|---|---|---|---|---|"]
+              "| model | scheme: bf16 -> quantised | time | peak RSS | peak RssAnon |", "|---|---|---|---|---|"]
     lines += [_conv_row(model, prep["conversion"]) for model, prep, _ in results]
+    lines += [_conv_row(model, prep["conversion_w4a8"], SCHEME_W4A8) for model, prep, _ in results if prep["w4a8"]]
     lines += ["", "Paths counted in the timed request and effective settings (read back):", ""]
     for model, prep, report in results:
         for s in report.arms if report.ok else ():
@@ -168,6 +179,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--kv-cache-bytes", default="256MiB")
     ap.add_argument("--no-gguf", action="store_true")
+    ap.add_argument("--no-w4a8", action="store_true", help="skip the w4a8-g128 arm")
     # Off by default: on the AMX machine this was written on, llama.cpp 0.3.36's AMX repack path dies with SIGILL
     # (tilezero in an OpenMP worker); without extra buffer types its weights stay mapped (llama-bench --no-repack).
     ap.add_argument("--llama-repack", action="store_true", help="let llama.cpp repack weights (CPU_REPACK/AMX)")
@@ -179,9 +191,13 @@ def main() -> None:
         log(f"llama.cpp arm skipped: {why_not}")
     results, machine = [], None
     for model in args.models.split(","):
-        prep = prepare(model, args.workdir, why_not is None)
+        schemes = (SCHEME,) if args.no_w4a8 else (SCHEME, SCHEME_W4A8)
+        prep = prepare(model, args.workdir, why_not is None, schemes)
         common = dict(threads=args.threads, kv_cache_bytes=args.kv_cache_bytes)
-        arms = [Arm("A", str(prep["quantized"]), **common), Arm("B", str(prep["src"]), **common)]
+        arms = [Arm("A", str(prep["quantized"]), **common)]
+        if prep["w4a8"] is not None:
+            arms.append(Arm("W", str(prep["w4a8"]), **common))
+        arms.append(Arm("B", str(prep["src"]), **common))
         if prep["gguf"] is not None:
             from edgeq.bench import default_context  # noqa: PLC0415
 
