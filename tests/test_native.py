@@ -304,6 +304,18 @@ def test_env_var_bad_value(fresh_state):
     assert native.status()["available"] is False
 
 
+def test_bad_env_var_reaches_the_runtime(fresh_state):
+    """The runtime's lookup must not swallow the user's error and quietly run aten instead."""
+    from edgeq.runtime import qlinear
+
+    fresh_state.setenv(native.ENV_ISA, "avx9000")
+    with pytest.raises(EdgeqError, match="avx9000"):
+        qlinear._native()
+    fresh_state.setenv(native.ENV_ISA, "off")
+    native._state = None
+    assert qlinear._native() is None
+
+
 def test_env_var_isa_the_cpu_lacks(fresh_state):
     fresh_state.setattr(native, "_features_to_isas", lambda bits: ("scalar",))  # a CPU without AVX2/AVX512
     fresh_state.setenv(native.ENV_ISA, "avx512")

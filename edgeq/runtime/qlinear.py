@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 
@@ -44,6 +45,8 @@ def _native():
         return None
     try:
         return native if native.available() else None
+    except EdgeqError:  # a bad EDGEQ_NATIVE_ISA is the user's error: say so (exit 2), never fall back quietly
+        raise
     except Exception:  # a broken build must not stop the aten path
         return None
 
