@@ -21,7 +21,7 @@ from torch import nn
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.runtime import crossover, lean, skeleton
+from edgeq.runtime import crossover, fused, lean, skeleton
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_json, read_quant_info
 from edgeq.runtime import w4a8linear
@@ -61,6 +61,7 @@ class RuntimeSettings:
     decode_loop: str = "transformers"  # "lean" (edgeq's own decode step) | "transformers" (the model's forward)
     decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
+    fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
@@ -176,6 +177,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         runtime.prefill_threshold = xover
         counts.clear()
     decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts)
+    fused_mlps = fused.fuse_mlps(model)
     settings = RuntimeSettings(
         quantized=bool(info),
         scheme=str(info.scheme) if info else None,
@@ -200,6 +202,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         decode_loop=loop_used,
         decode_loop_reason=loop_reason,
         lean_bytes=decoder.owned_bytes if decoder is not None else 0,
+        fused_mlps=fused_mlps,
     )
     _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config, manifest=manifest,
