@@ -248,17 +248,9 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 def worker_env(arm: Arm) -> dict:
-    """A worker's environment: threads from the arm, the arm's own variables, and the OpenMP waiting policy edgeq
-    defaults to (PASSIVE, edgeq/__init__.py) for edgeq arms; a llama.cpp arm gets the user's own policy instead (unset
-    unless the user set it), as llama.cpp would run outside edgeq."""
+    """A worker's environment: this process's (every arm, llama.cpp's included, gets the same OpenMP settings: libgomp
+    reads OMP_WAIT_POLICY / GOMP_SPINCOUNT for both), threads from the arm, then the arm's own variables."""
     env = child_env({"OMP_NUM_THREADS": str(arm.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-    if arm.kind == "gguf":
-        import edgeq
-
-        env.pop("OMP_WAIT_POLICY", None)
-        env["EDGEQ_KEEP_OMP_ENV"] = "1"
-        if edgeq.OMP_WAIT_POLICY_USER is not None:
-            env["OMP_WAIT_POLICY"] = edgeq.OMP_WAIT_POLICY_USER
     env.update(dict(arm.env))
     return env
 
@@ -443,7 +435,8 @@ def judge(summaries: list[ArmSummary], results: list[PassResult]) -> list[str]:
             if shares and min(shares) < STARVED_SHARE:
                 flags.append(f"arm {s.label}: {phase} got only {min(shares):.0%}-{max(shares):.0%} of its threads' CPU "
                              f"time (CPU seconds / (wall x threads)): the machine was oversubscribed, so these "
-                             f"{phase} numbers measure contention (every parallel region waits for a preempted thread)")
+                             f"{phase} numbers measure contention (every parallel region waits for a preempted thread); "
+                             f"on a shared machine run with OMP_WAIT_POLICY=PASSIVE or fewer threads")
         keys = COMPARED_SETTINGS if s.kind == "edgeq" else GGUF_SETTINGS
         for k in keys:
             seen = {json.dumps(d["effective"].get(k) if k != "native_isa" else (d["effective"].get("native") or {}).get("isa"),

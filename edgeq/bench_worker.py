@@ -145,7 +145,7 @@ def _effective(lm) -> dict:
                        "build_seconds": st["build_seconds"]}
     else:
         s["native"] = None
-    s["env"] = {k: os.environ[k] for k in ("EDGEQ_NATIVE_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "EDGEQ_CACHE_DIR") if k in os.environ}
+    s["env"] = {k: os.environ[k] for k in ("EDGEQ_NATIVE_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EDGEQ_CACHE_DIR") if k in os.environ}
     return s
 
 

@@ -172,7 +172,7 @@ def test_starved_passes_flagged(quantized, tmp_path):
     report = run_bench([Arm("A", str(quantized))], BenchConfig(passes=3), runner=Starved({"A": _settings()}),
                        workdir=tmp_path)
     assert report.ok and report.arms[0].timing["cpu_share_decode"] == Stat(0.97, 0.45, 0.97, 3)
-    assert any("decode got only 45%-97%" in f for f in report.flags)
+    assert any("decode got only 45%-97%" in f and "OMP_WAIT_POLICY=PASSIVE" in f for f in report.flags)
 
 
 def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypatch):
