@@ -148,9 +148,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EDGEQ_CACHE_DIR") or Path.home() / ".cache" / "edgeq")
 
 
-def cache_key(flags: Iterable[str], torch_version: str, edgeq_version: str, threads: int) -> str:
+def cache_key(flags: Iterable[str], torch_version: str, edgeq_version: str, threads: int,
+              kernels: Iterable[str] = ()) -> str:
+    """Which measurement a cached route belongs to. ``kernels``: the names of the kernels available (a native build
+    that starts or stops working changes the route, so it must change the key)."""
     h = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
-    return f"flags={h}|torch={torch_version}|edgeq={edgeq_version}|threads={threads}"
+    key = f"flags={h}|torch={torch_version}|edgeq={edgeq_version}|threads={threads}"
+    return key + (f"|kernels={','.join(sorted(kernels))}" if kernels else "")
 
 
 def _read_cache(path: Path) -> dict:
@@ -323,7 +327,8 @@ def route(refresh: bool = False, *, shapes=SHAPES, passes: int = 3, decode_calls
     flags = cpu_flags()
     cap = torch.backends.cpu.get_cpu_capability()
     threads = torch.get_num_threads()
-    key = cache_key(flags, torch.__version__, edgeq.__version__, threads)
+    ks, found = kernels(GROUP_SIZE)
+    key = cache_key(flags, torch.__version__, edgeq.__version__, threads, (k.name for k in ks if k.available))
     path = cache_dir() / CACHE_FILE
     if cache and not refresh:
         hit = _read_cache(path).get(key)
@@ -333,7 +338,6 @@ def route(refresh: bool = False, *, shapes=SHAPES, passes: int = 3, decode_calls
             except (TypeError, KeyError):
                 pass  # an older record: measure again
     t0 = time.perf_counter()
-    ks, found = kernels(GROUP_SIZE)
     timings = measure(shapes, GROUP_SIZE, prefill_m, passes, decode_calls, found)
     arms = {t.arm for t in timings}
     costs, choice, reason = choose(timings, arms, GROUP_SIZE, prefill_m)

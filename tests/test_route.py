@@ -114,6 +114,13 @@ def test_route_is_cached_per_machine_and_refreshable(monkeypatch, tmp_path):
     other = R.route()
     assert other.source == "measured" and other.device_class == "AVX2" and calls["measure"] == 3
     assert len(json.loads((tmp_path / "route.json").read_text())) == 2
+    # a native W4A8 build that starts working changes the route: the cached one must not be reused
+    assert "kernels=tinygemm,w4a8_portable" in other.key
+    kernels = R.kernels()[0]
+    monkeypatch.setattr(R, "kernels", lambda g=128: (kernels[:2] + [R.Kernel("w4a8_kernel", True, "native")], {
+        "native": None, "tinygemm": True, "w4a8": None}))
+    newer = R.route()
+    assert newer.source == "measured" and calls["measure"] == 4 and "w4a8_kernel" in newer.key
 
 
 def test_route_command_prints_the_choice_and_json(monkeypatch, tmp_path):
