@@ -206,9 +206,14 @@ def test_forced_isa_is_used_or_refused(ready, isa_env, monkeypatch):
     isa_env("vnni")
     with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA=vnni but this CPU lacks it \\(has scalar;"):
         native_w4a8.available()
-    isa_env(None)
+    isa_env(None)  # auto without VNNI: the portable path (faster than the scalar code), and why
     st = native_w4a8.status()
-    assert st["isa"] == "scalar" and st["cpu_isas"] == ["scalar"]
+    assert st["available"] is False and st["isa"] is None and st["cpu_isas"] == ["scalar"]
+    assert "no AVX512-VNNI" in st["reason"] and "EDGEQ_W4A8_ISA=scalar forces it" in st["reason"]
+    choice = w4a8linear.choose_kernel(32)
+    assert choice.fn is None and "no AVX512-VNNI" in choice.reason
+    isa_env("scalar")
+    assert native_w4a8.status()["isa"] == "scalar"
     with pytest.raises(EdgeqError, match="isa 'vnni' is not one this CPU runs \\(scalar\\)"):
         native_w4a8.w4a8_mm(torch.zeros(1, 32, dtype=torch.bfloat16), *_weights(32, 32, 32, torch.Generator())
                             .__dict__.values(), isa="vnni")
