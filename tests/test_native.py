@@ -349,8 +349,10 @@ def test_native_command(ready, capsys, fresh_state):
     native.native_command()
     out = capsys.readouterr().out
     assert out.startswith(f"native kernel: available, isa {ready['isa']}") and ready["library"] in out
+    assert "native W4A8 kernel: " in out  # both kernels are built and reported
     native.native_command(as_json=True)
-    assert json.loads(capsys.readouterr().out)["isa"] == ready["isa"]
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["isa"] == ready["isa"] and set(doc["w4a8"]) >= {"available", "isa", "reason"}
     fresh_state.setattr(native, "_state", None)
     fresh_state.setenv(native.ENV_ISA, "off")
     native.native_command()

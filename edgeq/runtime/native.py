@@ -351,11 +351,15 @@ def native_command(as_json: bool = False) -> None:
     """
     import json  # noqa: PLC0415
 
+    from edgeq.runtime import native_w4a8  # noqa: PLC0415 - the W4A8 kernel is built and reported here too
+
     st = status()
     if _state is not None and _state.user_error:
         raise EdgeqError(st["reason"])
+    native_w4a8.available()  # builds it if needed; an invalid EDGEQ_W4A8_ISA raises (exit 2)
+    w8 = native_w4a8.status()
     if as_json:
-        print(json.dumps(st, indent=2))
+        print(json.dumps({**st, "w4a8": w8}, indent=2))
         return
     if st["available"]:
         secs = st["build_seconds"]
@@ -364,3 +368,7 @@ def native_command(as_json: bool = False) -> None:
         print(f"  {built}: {st['library']}")
     else:
         print(f"native kernel: not available ({st['reason']}); decode uses aten._weight_int4pack_mm_for_cpu")
+    if w8["available"]:
+        print(f"native W4A8 kernel: available, isa {w8['isa']} ({w8['reason']}); CPU paths: {', '.join(w8['cpu_isas'])}")
+    else:
+        print(f"native W4A8 kernel: not available ({w8['reason']}); W4A8 runs the portable path")
