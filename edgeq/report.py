@@ -225,6 +225,8 @@ def _category(row: TensorRow) -> str:
         return "norms"
     if row.role == "linear":
         return "quantized_linears" if row.quantized else "linears_unquantized"
+    if row.role == "perm":  # an act-order layer's input permutation (M.perm): read by that quantised linear
+        return "quantized_linears"
     return "other"
 
 
@@ -299,7 +301,7 @@ def _edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list
     head = manifest.head
     tied_source = head.get("source", "lm_head.weight") != f"{HEAD_MODULE}.weight"
     params = sum(m.numel for m in modules.values() if not (m.name == HEAD_MODULE and tied_source))
-    params += sum(r.bytes // _itemsize(r.dtype) for r in rows if not r.quantized)
+    params += sum(r.bytes // _itemsize(r.dtype) for r in rows if not r.quantized and r.role != "perm")
     if ckpt.config.get("tie_word_embeddings") is not False:
         problems.append(f"config.json: tie_word_embeddings is {ckpt.config.get('tie_word_embeddings')!r}; an edgeq "
                         "checkpoint stores its own quantised head and must say false (a loader would tie the head "
@@ -954,7 +956,8 @@ def _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len, repack
         parts = {f"{m}{s}" for m in modules for s in (".qweight", ".scales", ".zeros")}
         tensors = [MemTensor(n, i.dtype, i.numel, i.nbytes, packed=n in parts) for n, i in ckpt.tensors.items()]
         return project(geometry, tensors, w4a8_scratch(), kv_cache_bytes, max_model_len, False)
-    parts = {f"{m}.qweight" for m in modules} | {f"{m}.scales_and_zeros" for m in modules}
+    # M.perm (int64, act-order GPTQ) is used in place by the loader, like the packed tensors: mapped, not cast
+    parts = {f"{m}{s}" for m in modules for s in (".qweight", ".scales_and_zeros", ".perm")}
     tensors = [MemTensor(n, i.dtype, i.numel, i.nbytes, packed=n in parts, qweight=n.endswith(".qweight") and n in parts)
                for n, i in ckpt.tensors.items()]
     big = scratch(((m.name, m.n, m.k) for m in modules.values()), _block_n())

@@ -218,6 +218,17 @@ def test_runtime_computes_the_gptq_model(tmp_path, capsys):
     assert float((got - ref).norm() / ref.norm()) < 0.02
     assert lm.path_counts["input_gather"] == 2 * 4 + 1  # per layer: q/k/v share one, o, gate/up share one, down; head
     assert sum(getattr(lm.model.get_submodule(m), "perm") is not None for m in BODY) == len(BODY)
+    # inspect: the permutations belong to their quantised linears, are mapped like them (no cast), and are no parameters
+    from edgeq.report import inspect_checkpoint
+
+    r = inspect_checkpoint(tmp_path / "out")
+    stored = open_checkpoint(tmp_path / "out").tensors
+    nbytes = lambda suffixes: sum(t.nbytes for n, t in stored.items() if n.endswith(suffixes))  # noqa: E731
+    assert nbytes((".perm",)) == 8 * (sum(LINEARS[m.split(".", 3)[3]][1] for m in BODY) + 128)  # + the head's
+    assert r.memory.anon_weights == 0  # mapped like the packed tensors, not projected as casts
+    assert r.bytes_by_category["other"] == nbytes((".bias",))  # the q/k/v biases; no permutation
+    assert r.bytes_by_category["quantized_linears"] == nbytes((".perm",)) + sum(
+        t.nbytes for n, t in stored.items() if n.rsplit(".", 1)[0] in BODY and n.endswith((".qweight", ".scales_and_zeros")))
 
 
 def test_group_size_mismatch_and_requantize(tmp_path, capsys):
