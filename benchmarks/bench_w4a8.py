@@ -19,6 +19,7 @@ Weights are random (speed does not depend on values).
 8960x1536, down 1536x8960; G = 128) per arm, at M = 1 and M = 512, arms interleaved per pass:
   w4a8_native   edgeq.runtime.native_w4a8.w4a8_mm, ISA chosen as the runtime does (amx: AMX for M > 8, VNNI below)
   w4a8_vnni     the same op forced to its AVX512-VNNI path
+  w4a8_avx2     the same op forced to its AVX2 path (vpmaddubsw; what `auto` picks on AVX2-only CPUs)
   w4a8_portable edgeq.layouts.w4a8.w4a8_linear (M = 512 only with --portable-prefill: ~10x slower)
   w4a16_native  edgeq.runtime.native.int4_mm on the tinygemm layout of the same q (W4A16, bf16 activations)
   bf16          torch.nn.functional.linear on bf16 weights
@@ -166,8 +167,9 @@ def _layer_arms(w: dict, g: int, m: int, footprint: int, portable_prefill: bool)
     b8 = sum(_nbytes(t) for t in w["w4a8"])
     if nat is not None:
         arms["w4a8_native"] = (run_w4a8(nat.w4a8_mm, w8), b8, len(w8))
-        if "vnni" in nat.status()["cpu_isas"]:
-            arms["w4a8_vnni"] = (run_w4a8(lambda *a: nat.w4a8_mm(*a, isa="vnni"), w8), b8, len(w8))
+        for isa in ("vnni", "avx2"):  # the forced paths below the chosen one (avx2: what AVX2-only CPUs run)
+            if isa in nat.status()["cpu_isas"]:
+                arms[f"w4a8_{isa}"] = (run_w4a8(lambda *a, isa=isa: nat.w4a8_mm(*a, isa=isa), w8), b8, len(w8))
     if m == 1 or portable_prefill:
         arms["w4a8_portable"] = (run_w4a8(L.w4a8_linear, w8), b8, len(w8))
     if native.available():

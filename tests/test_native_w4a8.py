@@ -200,23 +200,51 @@ def test_forced_isa_is_used_or_refused(ready, isa_env, monkeypatch):
     assert native_w4a8.status()["isa"] == "scalar" and "forced by EDGEQ_W4A8_ISA=scalar" in native_w4a8.status()["reason"]
     assert w4a8linear.choose_kernel(32).source == "edgeq native (scalar)"
     isa_env("bogus")
-    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA='bogus' is not one of amx, vnni, scalar, off, auto"):
+    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA='bogus' is not one of amx, vnni, avx2, scalar, off, auto"):
         w4a8linear.choose_kernel(32)
-    monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: 0)  # a CPU without AVX512-VNNI
-    isa_env("vnni")
-    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA=vnni but this CPU lacks it \\(has scalar;"):
-        native_w4a8.available()
-    isa_env(None)  # auto without VNNI: the portable path (faster than the scalar code), and why
+    monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: 0)  # a CPU without AVX2 (nor AVX512-VNNI)
+    for isa in ("vnni", "avx2"):
+        isa_env(isa)
+        with pytest.raises(EdgeqError, match=f"EDGEQ_W4A8_ISA={isa} but this CPU lacks it \\(has scalar; avx2 needs "
+                                             "AVX2 \\+ FMA"):
+            native_w4a8.available()
+    isa_env(None)  # auto with only the scalar code: the portable path (faster than the scalar code), and why
     st = native_w4a8.status()
     assert st["available"] is False and st["isa"] is None and st["cpu_isas"] == ["scalar"]
-    assert "no AVX512-VNNI" in st["reason"] and "EDGEQ_W4A8_ISA=scalar forces it" in st["reason"]
+    assert "neither AVX2 nor AVX512-VNNI" in st["reason"] and "EDGEQ_W4A8_ISA=scalar forces it" in st["reason"]
     choice = w4a8linear.choose_kernel(32)
-    assert choice.fn is None and "no AVX512-VNNI" in choice.reason
+    assert choice.fn is None and "neither AVX2 nor AVX512-VNNI" in choice.reason
     isa_env("scalar")
     assert native_w4a8.status()["isa"] == "scalar"
     with pytest.raises(EdgeqError, match="isa 'vnni' is not one this CPU runs \\(scalar\\)"):
         native_w4a8.w4a8_mm(torch.zeros(1, 32, dtype=torch.bfloat16), *_weights(32, 32, 32, torch.Generator())
                             .__dict__.values(), isa="vnni")
+
+
+def test_avx2_only_cpu_gets_the_avx2_path(ready, isa_env, monkeypatch):
+    """An AVX2-only CPU (simulated flags; this machine really runs the avx2 code): auto picks avx2, the kernel is on,
+    its output is the portable path's bits, and the AVX512 paths are refused, forced or per call."""
+    assert "avx2" in ready["cpu_isas"], "this machine has AVX2 + FMA; the avx2 path must be offered"
+    monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: 4)
+    isa_env(None)
+    st = native_w4a8.status()
+    assert st["available"] and st["isa"] == "avx2" and st["cpu_isas"] == ["scalar", "avx2"] and st["reason"] == "ok"
+    assert w4a8linear.choose_kernel(64).source == "edgeq native (avx2)"
+    gen = torch.Generator().manual_seed(17)
+    p = _weights(96, 256, 64, gen)
+    for m in (5, 12):
+        x = _acts(m, 256, gen)
+        want = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64)
+        assert torch.equal(_bits(native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64)), _bits(want))
+    with pytest.raises(EdgeqError, match="isa 'amx' is not one this CPU runs \\(scalar, avx2\\)"):
+        native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64, isa="amx")
+    isa_env("vnni")
+    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA=vnni but this CPU lacks it \\(has scalar, avx2;"):
+        native_w4a8.available()
+    monkeypatch.undo()
+    isa_env("avx2")  # the real CPU, path forced
+    assert native_w4a8.status()["isa"] == "avx2" and "forced by EDGEQ_W4A8_ISA=avx2" in native_w4a8.status()["reason"]
+    assert w4a8linear.choose_kernel(32).source == "edgeq native (avx2)"
 
 
 # --- a loaded checkpoint ---------------------------------------------------------------------------------------------

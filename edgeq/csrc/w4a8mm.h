@@ -41,15 +41,18 @@ void quantize_rows_scalar(const uint16_t* xb, const float* xf32, int64_t K, int6
                           float* sa);
 void quantize_rows_vnni(const uint16_t* xb, const float* xf32, int64_t K, int64_t m0, int64_t m1, uint8_t* au8,
                         float* sa);
+void quantize_rows_avx2(const uint16_t* xb, const float* xf32, int64_t K, int64_t m0, int64_t m1, uint8_t* au8,
+                        float* sa);
 
 // Column block nb (32 output rows), all M rows. scratch: 64-byte aligned, at least scratch_bytes(K, M) bytes, or
-// only decode_scratch_bytes for block_vnni with M <= kDecodeMaxRows (the decode path streams the packed bytes and
-// keeps just the fp32 rows: no per-call allocation that grows with K).
+// only kDecodeScratchBytes for block_vnni / block_avx2 with M <= kDecodeMaxRows (the decode paths stream the packed
+// bytes and keep just the fp32 rows: no per-call allocation that grows with K).
 constexpr int64_t kDecodeMaxRows = 8;
 constexpr int64_t kDecodeScratchBytes = kDecodeMaxRows * 32 * 4;
 int64_t scratch_bytes(int64_t K, int64_t M);
 void block_scalar(const Args& a, int64_t nb, uint8_t* scratch);
 void block_vnni(const Args& a, int64_t nb, uint8_t* scratch);
+void block_avx2(const Args& a, int64_t nb, uint8_t* scratch);
 void block_amx(const Args& a, int64_t nb, uint8_t* scratch);
 // Must be called on every thread before block_amx (configures this thread's tiles, once per call of the op).
 bool amx_usable();  // CPU has AMX-TILE/AMX-INT8 and Linux granted the tile data state (asks once)

@@ -6,12 +6,13 @@
 s_w, C)`` block by block from the fp32 bias, bf16 round-to-nearest-even. It reads the packed tensors as stored (no
 repacking, no second copy). Design and the exactness argument: docs/w4a8.md, "Native kernel".
 
-ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|vnni|amx``; ``off`` disables the kernel; unset/``auto`` picks the
-best the CPU has; a forced path the CPU lacks, or an unknown value, is an :class:`EdgeqError`):
+ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|avx2|vnni|amx``; ``off`` disables the kernel; unset/``auto``
+picks the best the CPU has; a forced path the CPU lacks, or an unknown value, is an :class:`EdgeqError`):
 
 - ``amx``: AMX-INT8 tiles (``tdpbusd``) for M > 8, the VNNI code below that (decode is memory-bound).
 - ``vnni``: AVX512-VNNI ``vpdpbusd`` on (q_a + 128) x (q - z), minus 128 * the stored compensation.
-- ``scalar``: portable C++, only when forced (``EDGEQ_W4A8_ISA=scalar``, tests): without VNNI ``auto`` leaves the
+- ``avx2``: AVX2 + FMA ``vpmaddubsw`` / ``vpmaddwd`` on the same operands (AVX2-only CPUs, most edge mini-PCs).
+- ``scalar``: portable C++, only when forced (``EDGEQ_W4A8_ISA=scalar``, tests): without AVX2 ``auto`` leaves the
   kernel off, because the portable path's int8 GEMM is faster than this code at M >= 8.
 
 Its own extension and ``TORCH_LIBRARY(edgeq_w4a8)`` namespace, separate from :mod:`edgeq.runtime.native` (a process
@@ -36,12 +37,12 @@ from edgeq.errors import EdgeqError
 from edgeq.runtime.native import _short, cache_dir
 
 ENV_ISA = "EDGEQ_W4A8_ISA"
-ISAS = ("scalar", "vnni", "amx")  # worst first
-_ISA_CODE = {"scalar": 0, "vnni": 1, "amx": 2}
-_FEATURE_BIT = {"vnni": 1, "amx": 2}
+ISAS = ("scalar", "avx2", "vnni", "amx")  # worst first
+_ISA_CODE = {"scalar": 0, "vnni": 1, "amx": 2, "avx2": 3}  # the binding's codes (stable, not the ranking)
+_FEATURE_BIT = {"avx2": 4, "vnni": 1, "amx": 2}
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp")
+_SOURCES = ("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_avx2.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp")
 _HEADERS = ("w4a8mm.h", "w4a8mm_avx512.h")
 # -ffp-contract=off: no multiply-add is fused unless written as one (the kernel's rounding is part of its contract).
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP.
@@ -103,13 +104,15 @@ def _compile(key: str) -> tuple[str, bool]:
 
 
 def _cpu_features() -> int:
-    """bit 0: the vnni path's instructions, bit 1: amx (AMX-TILE/INT8 granted by the OS); asked from the library."""
+    """bit 0: the vnni path's instructions, bit 1: amx (AMX-TILE/INT8 granted by the OS), bit 2: avx2 (AVX2 + FMA);
+    asked from the library."""
     return int(torch.ops.edgeq_w4a8.cpu_features())
 
 
 def _lacks_message(forced: str, has: tuple[str, ...]) -> str:
-    return (f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; vnni needs AVX512 F/BW/VL/DQ + VNNI, "
-            "amx needs that plus AMX-TILE/AMX-INT8 granted by Linux); unset it or choose one of those")
+    return (f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; avx2 needs AVX2 + FMA, vnni needs "
+            "AVX512 F/BW/VL/DQ + VNNI, amx needs that plus AMX-TILE/AMX-INT8 granted by Linux); unset it or choose "
+            "one of those")
 
 
 def _load() -> _State:
@@ -122,7 +125,7 @@ def _load() -> _State:
         forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
         st.forced = None if forced == "auto" else forced
         if forced not in ISAS + ("auto", "off"):
-            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, vnni, scalar, off, auto; fix or unset it"
+            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, vnni, avx2, scalar, off, auto; fix or unset it"
             st.user_error = True
         elif forced == "off":
             st.reason = f"disabled by {ENV_ISA}=off"
@@ -133,7 +136,7 @@ def _load() -> _State:
             try:
                 st.library, st.built_now = _compile(build_key())
                 bits = _cpu_features()
-                st.cpu_isas = ("scalar",) + tuple(i for i, b in _FEATURE_BIT.items() if bits & b)
+                st.cpu_isas = ("scalar",) + tuple(i for i in ISAS[1:] if bits & _FEATURE_BIT[i])
             except Exception as e:  # noqa: BLE001 - any build/load failure: the portable path runs, and says why
                 st.reason = f"native W4A8 kernel build/load failed: {_short(e)}"
                 _state = st
@@ -143,10 +146,10 @@ def _load() -> _State:
                 st.reason, st.user_error = _lacks_message(forced, st.cpu_isas), True
             elif forced == "auto" and st.cpu_isas == ("scalar",):
                 # Measured (1536 x 1536, 2 threads): the scalar code takes 0.82 / 6.8 / 109 ms at M = 1 / 8 / 128
-                # against 1.0 / 1.65 / 4.2 ms for the portable path (oneDNN's int8 GEMM), so without VNNI the
+                # against 1.0 / 1.65 / 4.2 ms for the portable path (oneDNN's int8 GEMM), so without AVX2 the
                 # portable path is the fast one; the scalar code stays reachable with EDGEQ_W4A8_ISA=scalar.
-                st.reason = ("this CPU has no AVX512-VNNI: the portable path (torch int8 GEMM) is faster than edgeq's "
-                             f"scalar W4A8 code; {ENV_ISA}=scalar forces it")
+                st.reason = ("this CPU has neither AVX2 nor AVX512-VNNI: the portable path (torch int8 GEMM) is faster "
+                             f"than edgeq's scalar W4A8 code; {ENV_ISA}=scalar forces it")
             else:
                 st.isa = st.cpu_isas[-1] if forced == "auto" else forced
                 st.available = True
