@@ -297,7 +297,8 @@ def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, me
     if both:
         raise EdgeqError(f"{ckpt.root}: {both[0]} has both a float weight and GPTQ tensors ({len(both)} such layers); "
                          "the checkpoint is inconsistent")
-    parts = {f"{m}{p}" for m in modules for p in PARTS}
+    dropped = _zero_biases_without_a_place(ckpt, modules)
+    parts = {f"{m}{p}" for m in modules for p in PARTS} | set(dropped)
     entries: list[PlanEntry] = []
     problems: list[str] = []
     head_shape = None
@@ -367,10 +368,41 @@ def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, me
         problems.append(f"no Linear layers found among {len(entries)} tensors: nothing to quantise besides the head")
     source = dict(cfg.record)
     source["requantize_method"] = method
+    if dropped:
+        source["dropped_zero_biases"] = sorted(dropped)
     plan = Plan(scheme, METHOD, recipe.name, tuple(entries), tuple(problems), tied, source=source)
     if not problems:
         assert_head_quantized(plan)  # assertion 1 of 3: at plan time
     return plan
+
+
+def _zero_biases_without_a_place(ckpt: Checkpoint, modules: set[str]) -> list[str]:
+    """``M.bias`` tensors of GPTQ layers whose architecture has no bias there (old AutoGPTQ exports stored one, all
+    zeros, for every layer): returned so the plan leaves them out, and reported (``dropped_zero_biases``). Such a
+    bias holding anything but zeros is an error naming it: the checkpoint then does not match its config.json."""
+    biases = sorted(f"{m}.bias" for m in modules if f"{m}.bias" in ckpt.tensors)
+    if not biases:
+        return []
+    from edgeq.runtime.skeleton import build_meta_model, load_config  # noqa: PLC0415 - only for such checkpoints
+
+    config = load_config(ckpt.root)
+    model = build_meta_model(config, torch.bfloat16)
+    out = []
+    for name in biases:
+        module = name.removesuffix(".bias")
+        try:
+            has_bias = model.get_submodule(module).bias is not None
+        except AttributeError:
+            continue  # not a module of this architecture: the loader names it as unused
+        if has_bias:
+            continue
+        nonzero = int(torch.count_nonzero(ckpt.read(name)))
+        if nonzero:
+            raise EdgeqError(f"{ckpt.tensors[name].file}: tensor {name} has {nonzero} nonzero values, but "
+                             f"{config.model_type}'s {module} has no bias (config.json); the checkpoint does not match "
+                             "its config (fix config.json, e.g. attention_bias/mlp_bias, or the checkpoint)")
+        out.append(name)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- streaming
@@ -523,4 +555,8 @@ def describe(plan: Plan) -> list[str]:
     for e in plan.entries:
         if e.action == "quantize" or (e.gptq is not None and e.action in ("requantize", "keep")):
             lines.append(f"{e.module}: {e.action}: {e.reason}")
+    dropped = src.get("dropped_zero_biases") or []
+    if dropped:
+        lines.append(f"left out {len(dropped)} all-zero bias tensor(s) of layers this architecture has no bias for "
+                     f"(an old AutoGPTQ export habit), e.g. {dropped[0]}")
     return lines

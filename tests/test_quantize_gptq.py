@@ -595,3 +595,44 @@ def test_method_gptq_on_the_fixture_beats_rtn(tmp_path, capsys, fixture_model, f
     kld = {name: F.compare(ref, load(path, kv_cache_bytes=16 << 20), ctx=256, max_tokens=1500).kld_mean
            for name, path in (("gptq", tmp_path / "gptq"), ("rtn", fixture_quantized))}
     assert kld["gptq"] < 0.85 * kld["rtn"], kld
+
+
+def _add_biases(src: Path, value: float) -> list[str]:
+    """Old AutoGPTQ exports: a bias tensor for every GPTQ layer, also where the architecture has none."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    names = [f"{m}.bias" for m in BODY]
+    for name in names:
+        n = LINEARS[name.split(".", 3)[3].removesuffix(".bias")][0]
+        tensors[name] = torch.full((n,), value, dtype=torch.float16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return names
+
+
+def test_all_zero_biases_of_bias_free_layers_are_left_out_and_reported(tmp_path, capsys):
+    from edgeq.runtime import load
+
+    src = tmp_path / "src"
+    write_gptq(src, head="bf16", seed=41)
+    names = _add_biases(src, 0.0)
+    code, stdout, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out")], capsys)
+    assert code == 0, err
+    said = stdout + err
+    assert f"left out {len(names)} all-zero bias tensor(s)" in said and "e.g. model.layers.0.mlp.down_proj.bias" in said
+    out = tmp_path / "out"
+    assert not [n for n in open_checkpoint(out).tensors if n.endswith(".bias")]
+    manifest = json.loads((out / "edgeq_manifest.json").read_text())
+    assert json.dumps(sorted(names)) in json.dumps(manifest)  # recorded with the conversion's source record
+    lm = load(out)  # the runtime refuses unused tensors: none is left
+    assert lm.model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 256
+
+
+def test_nonzero_bias_of_a_bias_free_layer_is_an_error(tmp_path, capsys):
+    src = tmp_path / "src"
+    write_gptq(src, head="bf16", seed=43)
+    _add_biases(src, 0.5)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and "tensor model.layers.0.mlp.down_proj.bias has 128 nonzero values" in err, err
+    assert "llama's model.layers.0.mlp.down_proj has no bias (config.json)" in err
+    assert not (tmp_path / "out").exists()
