@@ -19,8 +19,10 @@ Weights are random (speed does not depend on values).
 8960x1536, down 1536x8960; G = 128) per arm, at M = 1 and M = 512, arms interleaved per pass:
   w4a8_native   edgeq.runtime.native_w4a8.w4a8_mm, ISA chosen as the runtime does (amx: AMX for M > 8, VNNI below)
   w4a8_vnni     the same op forced to its AVX512-VNNI path
+  w4a8_avxvnni  the same op forced to its AVX-VNNI path (256-bit vpdpbusd; `auto` on AVX-VNNI CPUs without AVX512)
   w4a8_avx2     the same op forced to its AVX2 path (vpmaddubsw; what `auto` picks on AVX2-only CPUs)
   w4a8_portable edgeq.layouts.w4a8.w4a8_linear (M = 512 only with --portable-prefill: ~10x slower)
+  w4a8_portable_fp32  the same with backend="fp32" (the portable path's backend on CPUs without AVX512-VNNI/AMX)
   w4a16_native  edgeq.runtime.native.int4_mm on the tinygemm layout of the same q (W4A16, bf16 activations)
   bf16          torch.nn.functional.linear on bf16 weights
 At M = 1 each arm cycles through enough copies of the layer that its weights (>= --footprint-mb, default 400 MB,
@@ -167,11 +169,14 @@ def _layer_arms(w: dict, g: int, m: int, footprint: int, portable_prefill: bool)
     b8 = sum(_nbytes(t) for t in w["w4a8"])
     if nat is not None:
         arms["w4a8_native"] = (run_w4a8(nat.w4a8_mm, w8), b8, len(w8))
-        for isa in ("vnni", "avx2"):  # the forced paths below the chosen one (avx2: what AVX2-only CPUs run)
+        for isa in ("vnni", "avxvnni", "avx2"):  # forced paths below the chosen one (avx2*: AVX2-class CPUs)
             if isa in nat.status()["cpu_isas"]:
                 arms[f"w4a8_{isa}"] = (run_w4a8(lambda *a, isa=isa: nat.w4a8_mm(*a, isa=isa), w8), b8, len(w8))
     if m == 1 or portable_prefill:
         arms["w4a8_portable"] = (run_w4a8(L.w4a8_linear, w8), b8, len(w8))
+        if L.has_vnni():  # the portable backend of CPUs without AVX512-VNNI/AMX (run here with this CPU's fp32 GEMM)
+            fp32 = lambda *a: L.w4a8_linear(*a, backend="fp32")  # noqa: E731
+            arms["w4a8_portable_fp32"] = (run_w4a8(fp32, w8), b8, len(w8))
     if native.available():
         w16 = _copies(w["w4a16"], fp)
 

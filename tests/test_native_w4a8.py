@@ -1,6 +1,7 @@
 """edgeq's native W4A8 kernel (edgeq/runtime/native_w4a8.py, edgeq/csrc/w4a8mm*): exact bits against the portable
 path (edgeq.layouts.w4a8.w4a8_linear, itself pinned to the kernel arithmetic in tests/test_w4a8.py) on every ISA path
-this CPU runs, thread-count independence, the runtime choosing it, and the environment switch.
+this CPU runs (here scalar, avx2, avxvnni, vnni, amx), thread-count independence, the runtime choosing it, and the
+environment switch.
 
 No tolerance anywhere: the native op and the portable path do the same integer dot products and the same two fp32
 roundings per K block, so the bf16 outputs must be identical (compared as int16 bit patterns).
@@ -200,10 +201,10 @@ def test_forced_isa_is_used_or_refused(ready, isa_env, monkeypatch):
     assert native_w4a8.status()["isa"] == "scalar" and "forced by EDGEQ_W4A8_ISA=scalar" in native_w4a8.status()["reason"]
     assert w4a8linear.choose_kernel(32).source == "edgeq native (scalar)"
     isa_env("bogus")
-    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA='bogus' is not one of amx, vnni, avx2, scalar, off, auto"):
+    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA='bogus' is not one of amx, vnni, avxvnni, avx2, scalar, off"):
         w4a8linear.choose_kernel(32)
     monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: 0)  # a CPU without AVX2 (nor AVX512-VNNI)
-    for isa in ("vnni", "avx2"):
+    for isa in ("vnni", "avxvnni", "avx2"):
         isa_env(isa)
         with pytest.raises(EdgeqError, match=f"EDGEQ_W4A8_ISA={isa} but this CPU lacks it \\(has scalar; avx2 needs "
                                              "AVX2 \\+ FMA"):
@@ -221,30 +222,34 @@ def test_forced_isa_is_used_or_refused(ready, isa_env, monkeypatch):
                             .__dict__.values(), isa="vnni")
 
 
-def test_avx2_only_cpu_gets_the_avx2_path(ready, isa_env, monkeypatch):
-    """An AVX2-only CPU (simulated flags; this machine really runs the avx2 code): auto picks avx2, the kernel is on,
-    its output is the portable path's bits, and the AVX512 paths are refused, forced or per call."""
-    assert "avx2" in ready["cpu_isas"], "this machine has AVX2 + FMA; the avx2 path must be offered"
-    monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: 4)
+@pytest.mark.parametrize("bits,best", [(4, "avx2"), (4 | 8, "avxvnni")])
+def test_avx2_class_cpu_gets_its_256_bit_path(ready, isa_env, monkeypatch, bits, best):
+    """An AVX2-only CPU, and one with AVX-VNNI but no AVX512 (simulated flags; this machine really runs both codes):
+    auto picks the best 256-bit path, its output is the portable path's bits, and the paths above it are refused,
+    forced or per call."""
+    assert {"avx2", "avxvnni"} <= set(ready["cpu_isas"]), "this machine has AVX2 + FMA + AVX-VNNI"
+    monkeypatch.setattr(native_w4a8, "_cpu_features", lambda: bits)
     isa_env(None)
     st = native_w4a8.status()
-    assert st["available"] and st["isa"] == "avx2" and st["cpu_isas"] == ["scalar", "avx2"] and st["reason"] == "ok"
-    assert w4a8linear.choose_kernel(64).source == "edgeq native (avx2)"
+    have = ["scalar", "avx2"] + (["avxvnni"] if best == "avxvnni" else [])
+    assert st["available"] and st["isa"] == best and st["cpu_isas"] == have and st["reason"] == "ok"
+    assert w4a8linear.choose_kernel(64).source == f"edgeq native ({best})"
     gen = torch.Generator().manual_seed(17)
     p = _weights(96, 256, 64, gen)
     for m in (5, 12):
         x = _acts(m, 256, gen)
         want = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64)
         assert torch.equal(_bits(native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64)), _bits(want))
-    with pytest.raises(EdgeqError, match="isa 'amx' is not one this CPU runs \\(scalar, avx2\\)"):
+    with pytest.raises(EdgeqError, match=f"isa 'amx' is not one this CPU runs \\({', '.join(have)}\\)"):
         native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64, isa="amx")
-    isa_env("vnni")
-    with pytest.raises(EdgeqError, match="EDGEQ_W4A8_ISA=vnni but this CPU lacks it \\(has scalar, avx2;"):
-        native_w4a8.available()
+    for above in ("vnni",) + (("avxvnni",) if best == "avx2" else ()):
+        isa_env(above)
+        with pytest.raises(EdgeqError, match=f"EDGEQ_W4A8_ISA={above} but this CPU lacks it \\(has {', '.join(have)};"):
+            native_w4a8.available()
     monkeypatch.undo()
-    isa_env("avx2")  # the real CPU, path forced
-    assert native_w4a8.status()["isa"] == "avx2" and "forced by EDGEQ_W4A8_ISA=avx2" in native_w4a8.status()["reason"]
-    assert w4a8linear.choose_kernel(32).source == "edgeq native (avx2)"
+    isa_env(best)  # the real CPU, path forced
+    assert native_w4a8.status()["isa"] == best and f"forced by EDGEQ_W4A8_ISA={best}" in native_w4a8.status()["reason"]
+    assert w4a8linear.choose_kernel(32).source == f"edgeq native ({best})"
 
 
 # --- a loaded checkpoint ---------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ constexpr int64_t kDecodeScratchBytes = kDecodeMaxRows * 32 * 4;
 int64_t scratch_bytes(int64_t K, int64_t M);
 void block_scalar(const Args& a, int64_t nb, uint8_t* scratch);
 void block_vnni(const Args& a, int64_t nb, uint8_t* scratch);
-void block_avx2(const Args& a, int64_t nb, uint8_t* scratch);
+void block_avx2(const Args& a, int64_t nb, uint8_t* scratch);     // AVX2 + FMA (vpmaddubsw)
+void block_avxvnni(const Args& a, int64_t nb, uint8_t* scratch);  // the same with AVX-VNNI (VEX vpdpbusd)
 void block_amx(const Args& a, int64_t nb, uint8_t* scratch);
 // Must be called on every thread before block_amx (configures this thread's tiles, once per call of the op).
 bool amx_usable();  // CPU has AMX-TILE/AMX-INT8 and Linux granted the tile data state (asks once)

@@ -18,17 +18,43 @@
 // (<= 2 KB, L1) is read from memory once and its halves re-read from L1 per quarter and per tile of 4 rows.
 // Prefill (M > 8): the column block is unpacked once into scratch as q - z (per K block, per quarter, per group 32
 // bytes) and reused by tiles of 8 rows.
+//
+// AVX-VNNI (`avxvnni` path, Alder Lake and later, incl. the N100-class mini-PCs): the same code with the four
+// vpmaddubsw / vpaddw / vpmaddwd / vpaddd per row and 4 groups replaced by four vpdpbusd (VEX), same exact int32.
+// The kernel body below is compiled twice, by including this file into itself under two `#pragma GCC target`s
+// (avx2,fma and avx2,fma,avxvnni), each pass in its own namespace, so the avx2 pass can never contain an AVX-VNNI
+// instruction and the two share one source.
+#ifndef EDGEQ_W4A8_AVX2_PASS
 #include <immintrin.h>
 
 #include <cstring>
 
 #include "w4a8mm.h"
 
+#define EDGEQ_W4A8_AVX2_PASS 1
+#define EDGEQ_W4A8_AVX2_NS maddubs
+#define EDGEQ_W4A8_AVX2_BLOCK block_avx2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#include "w4a8mm_avx2.cpp"  // NOLINT(build/include): the body, pass 1
+#pragma GCC pop_options
+#undef EDGEQ_W4A8_AVX2_PASS
+#undef EDGEQ_W4A8_AVX2_NS
+#undef EDGEQ_W4A8_AVX2_BLOCK
+
+#define EDGEQ_W4A8_AVX2_PASS 2
+#define EDGEQ_W4A8_AVX2_NS dpbusd
+#define EDGEQ_W4A8_AVX2_BLOCK block_avxvnni
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#include "w4a8mm_avx2.cpp"  // NOLINT(build/include): the body, pass 2
+#pragma GCC pop_options
+
+#else  // the body
 
 namespace edgeq_w4a8 {
 namespace {
+namespace EDGEQ_W4A8_AVX2_NS {
 
 constexpr int64_t kPrefetch = 8192;
 constexpr int kDecodeRows = 4;
@@ -100,6 +126,12 @@ inline void epilogue(const Args& a, int64_t nb, int64_t kb, const uint8_t* slot,
 // acc[m] += exact int32 dot of 4 groups (4 weight vectors w) with row m's activation dwords at x + m*K.
 template <int MT>
 inline void dot4(const __m256i (&w)[4], const uint8_t* x, int64_t K, __m256i (&acc)[MT]) {
+#if EDGEQ_W4A8_AVX2_PASS == 2
+  for (int m = 0; m < MT; ++m) {  // AVX-VNNI: 4 u8 x s8 products summed into each int32 lane, no saturation
+    const uint8_t* xm = x + m * K;
+    for (int i = 0; i < 4; ++i) acc[m] = _mm256_dpbusd_avx_epi32(acc[m], _mm256_set1_epi32(dword(xm + 4 * i)), w[i]);
+  }
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   for (int m = 0; m < MT; ++m) {
     const uint8_t* xm = x + m * K;
@@ -109,6 +141,7 @@ inline void dot4(const __m256i (&w)[4], const uint8_t* x, int64_t K, __m256i (&a
     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_set1_epi32(dword(xm + 12)), w[3]));
     acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(s, ones));
   }
+#endif
 }
 
 // Decode tile: MT rows x one slot, weights unpacked from the packed bytes, quarter by quarter.
@@ -172,8 +205,10 @@ inline void prefill_dispatch(const Args& a, int64_t nb, int64_t kb, const uint8_
   }
 }
 
+}  // namespace EDGEQ_W4A8_AVX2_NS
 }  // namespace
 
+#if EDGEQ_W4A8_AVX2_PASS == 1
 void quantize_rows_avx2(const uint16_t* xb, const float* xf32, int64_t K, int64_t m0, int64_t m1, uint8_t* au8,
                         float* sa) {
   // K % 32 == 0 (checked by the binding). The same fp32 steps as the portable path (see quantize_rows_vnni).
@@ -209,8 +244,10 @@ void quantize_rows_avx2(const uint16_t* xb, const float* xf32, int64_t K, int64_
     sa[m] = amax / 127.f;
   }
 }
+#endif
 
-void block_avx2(const Args& a, int64_t nb, uint8_t* scratch) {
+void EDGEQ_W4A8_AVX2_BLOCK(const Args& a, int64_t nb, uint8_t* scratch) {
+  using namespace EDGEQ_W4A8_AVX2_NS;
   const int64_t M = a.M, KB = a.kblocks(), slot_bytes = a.slot_bytes();
   const uint8_t* slots = a.qw + nb * KB * slot_bytes;
   const int8_t* zeros = a.zeros + nb * KB * kBlockN;
@@ -249,4 +286,4 @@ void block_avx2(const Args& a, int64_t nb, uint8_t* scratch) {
 
 }  // namespace edgeq_w4a8
 
-#pragma GCC pop_options
+#endif  // EDGEQ_W4A8_AVX2_PASS

@@ -3,8 +3,9 @@
 //   torch.ops.edgeq_w4a8.w4a8_mm(x bf16|fp32 [M, K], qweight uint8 [N/32, K/bk, bk*16+128], scales fp32 [N/32, K/G, 32],
 //                                zeros int8 [N/32, K/G, 32], group_size, bias [N]? (any float dtype, used as fp32), isa) -> bf16 [M, N]
 //
-// isa: 0 scalar, 1 vnni (AVX512-VNNI), 2 amx (AMX-INT8 for M > 8, VNNI below), 3 avx2 (AVX2 + FMA, vpmaddubsw);
-// the codes are stable, not an order (the Python side ranks scalar < avx2 < vnni < amx) and picks one from
+// isa: 0 scalar, 1 vnni (AVX512-VNNI), 2 amx (AMX-INT8 for M > 8, VNNI below), 3 avx2 (AVX2 + FMA, vpmaddubsw),
+// 4 avxvnni (the avx2 code with AVX-VNNI vpdpbusd); the codes are stable, not an order (the Python side ranks
+// scalar < avx2 < avxvnni < vnni < amx) and picks one from
 // cpu_features() and EDGEQ_W4A8_ISA. Its own TORCH_LIBRARY namespace: a process may load this next to the W4A16
 // library (namespace edgeq), and a namespace can be defined by one library only.
 // Threads take contiguous runs of 32-row column blocks; every output element is computed by one thread in a fixed
@@ -24,7 +25,7 @@ using edgeq_w4a8::Args;
 
 int64_t cpu_features() {
   // bit 0: AVX512 F/BW/VL/DQ + VNNI (the vnni path); bit 1: that + AMX-TILE/INT8 granted by the OS (the amx path);
-  // bit 2: AVX2 + FMA (the avx2 path).
+  // bit 2: AVX2 + FMA (the avx2 path); bit 3: that + AVX-VNNI (the avxvnni path).
   static const int64_t features = [] {
     __builtin_cpu_init();
     int64_t f = 0;
@@ -34,6 +35,7 @@ int64_t cpu_features() {
       f |= 1;
     if ((f & 1) && edgeq_w4a8::amx_usable()) f |= 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 4;
+    if ((f & 4) && __builtin_cpu_supports("avxvnni")) f |= 8;
     return f;
   }();
   return features;
@@ -71,8 +73,8 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
     bc = bias->to(at::kFloat).contiguous();  // the kernel's fp32 starting value (exact for a bf16 bias)
     bptr = bc.data_ptr<float>();
   }
-  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (vnni), 2 (amx) or 3 (avx2)");
-  static constexpr int64_t kIsaBit[4] = {0, 1, 2, 4};
+  TORCH_CHECK(isa >= 0 && isa <= 4, "isa must be 0 (scalar), 1 (vnni), 2 (amx), 3 (avx2) or 4 (avxvnni)");
+  static constexpr int64_t kIsaBit[5] = {0, 1, 2, 4, 8};
   TORCH_CHECK(isa == 0 || (cpu_features() & kIsaBit[isa]), "this CPU lacks the instructions of isa ", isa);
 
   const at::Tensor xc = x.contiguous();
@@ -87,7 +89,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   float* sap = sa.data_ptr<float>();
   auto quant = [&](int64_t m0, int64_t m1) {
     if (isa == 0) edgeq_w4a8::quantize_rows_scalar(xb, xf, K, m0, m1, au, sap);
-    else if (isa == 3) edgeq_w4a8::quantize_rows_avx2(xb, xf, K, m0, m1, au, sap);
+    else if (isa >= 3) edgeq_w4a8::quantize_rows_avx2(xb, xf, K, m0, m1, au, sap);
     else edgeq_w4a8::quantize_rows_vnni(xb, xf, K, m0, m1, au, sap);
   };
   if (M * K >= (1 << 16)) at::parallel_for(0, M, 1, quant);
@@ -100,6 +102,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
       alignas(64) uint8_t scratch[edgeq_w4a8::kDecodeScratchBytes];
       for (int64_t nb = b0; nb < b1; ++nb) {
         if (isa == 3) edgeq_w4a8::block_avx2(a, nb, scratch);
+        else if (isa == 4) edgeq_w4a8::block_avxvnni(a, nb, scratch);
         else edgeq_w4a8::block_vnni(a, nb, scratch);
       }
     });
@@ -113,6 +116,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
       if (isa == 2) edgeq_w4a8::block_amx(a, nb, scratch.get());
       else if (isa == 1) edgeq_w4a8::block_vnni(a, nb, scratch.get());
       else if (isa == 3) edgeq_w4a8::block_avx2(a, nb, scratch.get());
+      else if (isa == 4) edgeq_w4a8::block_avxvnni(a, nb, scratch.get());
       else edgeq_w4a8::block_scalar(a, nb, scratch.get());
     }
   });

@@ -6,11 +6,12 @@
 s_w, C)`` block by block from the fp32 bias, bf16 round-to-nearest-even. It reads the packed tensors as stored (no
 repacking, no second copy). Design and the exactness argument: docs/w4a8.md, "Native kernel".
 
-ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|avx2|vnni|amx``; ``off`` disables the kernel; unset/``auto``
+ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|avx2|avxvnni|vnni|amx``; ``off`` disables the kernel; unset/``auto``
 picks the best the CPU has; a forced path the CPU lacks, or an unknown value, is an :class:`EdgeqError`):
 
 - ``amx``: AMX-INT8 tiles (``tdpbusd``) for M > 8, the VNNI code below that (decode is memory-bound).
 - ``vnni``: AVX512-VNNI ``vpdpbusd`` on (q_a + 128) x (q - z), minus 128 * the stored compensation.
+- ``avxvnni``: the avx2 code with AVX-VNNI's 256-bit ``vpdpbusd`` (Alder Lake and later without AVX512).
 - ``avx2``: AVX2 + FMA ``vpmaddubsw`` / ``vpmaddwd`` on the same operands (AVX2-only CPUs, most edge mini-PCs).
 - ``scalar``: portable C++, only when forced (``EDGEQ_W4A8_ISA=scalar``, tests): without AVX2 ``auto`` leaves the
   kernel off, because the portable path's int8 GEMM is faster than this code at M >= 8.
@@ -37,9 +38,9 @@ from edgeq.errors import EdgeqError
 from edgeq.runtime.native import _short, cache_dir
 
 ENV_ISA = "EDGEQ_W4A8_ISA"
-ISAS = ("scalar", "avx2", "vnni", "amx")  # worst first
-_ISA_CODE = {"scalar": 0, "vnni": 1, "amx": 2, "avx2": 3}  # the binding's codes (stable, not the ranking)
-_FEATURE_BIT = {"avx2": 4, "vnni": 1, "amx": 2}
+ISAS = ("scalar", "avx2", "avxvnni", "vnni", "amx")  # worst first
+_ISA_CODE = {"scalar": 0, "vnni": 1, "amx": 2, "avx2": 3, "avxvnni": 4}  # the binding's codes (stable, not the ranking)
+_FEATURE_BIT = {"avx2": 4, "avxvnni": 8, "vnni": 1, "amx": 2}
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_avx2.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp")
@@ -104,15 +105,15 @@ def _compile(key: str) -> tuple[str, bool]:
 
 
 def _cpu_features() -> int:
-    """bit 0: the vnni path's instructions, bit 1: amx (AMX-TILE/INT8 granted by the OS), bit 2: avx2 (AVX2 + FMA);
-    asked from the library."""
+    """bit 0: the vnni path's instructions, bit 1: amx (AMX-TILE/INT8 granted by the OS), bit 2: avx2 (AVX2 + FMA),
+    bit 3: avxvnni (that + AVX-VNNI); asked from the library."""
     return int(torch.ops.edgeq_w4a8.cpu_features())
 
 
 def _lacks_message(forced: str, has: tuple[str, ...]) -> str:
-    return (f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; avx2 needs AVX2 + FMA, vnni needs "
-            "AVX512 F/BW/VL/DQ + VNNI, amx needs that plus AMX-TILE/AMX-INT8 granted by Linux); unset it or choose "
-            "one of those")
+    return (f"{ENV_ISA}={forced} but this CPU lacks it (has {', '.join(has)}; avx2 needs AVX2 + FMA, avxvnni "
+            "that plus AVX-VNNI, vnni needs AVX512 F/BW/VL/DQ + VNNI, amx needs that plus AMX-TILE/AMX-INT8 granted "
+            "by Linux); unset it or choose one of those")
 
 
 def _load() -> _State:
@@ -125,7 +126,8 @@ def _load() -> _State:
         forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
         st.forced = None if forced == "auto" else forced
         if forced not in ISAS + ("auto", "off"):
-            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, vnni, avx2, scalar, off, auto; fix or unset it"
+            st.reason = (f"{ENV_ISA}={forced!r} is not one of amx, vnni, avxvnni, avx2, scalar, off, auto; "
+                         "fix or unset it")
             st.user_error = True
         elif forced == "off":
             st.reason = f"disabled by {ENV_ISA}=off"
