@@ -84,44 +84,50 @@ def cache_dir() -> Path:
     return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "edgeq")
 
 
-def build_key() -> str:
-    """sha256 over the kernel sources, flags, torch version and Python ABI: a new key means a new build."""
+def source_key(csrc: Path, sources: tuple[str, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
+    """sha256 over the given sources (and headers), flags, torch version and Python ABI: a new key, a new build.
+    Shared by both native kernels (this one and edgeq.runtime.native_w4a8)."""
     h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes() + b"\0")
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    for name in sources:
+        h.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
+    h.update(" ".join(cflags + ldflags).encode())
     h.update(f"{torch.__version__}|{sys.implementation.cache_tag}|{platform.machine()}".encode())
     return h.hexdigest()
 
 
-def _compile(key: str) -> tuple[str, bool]:
-    """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
+def build_or_load(prefix: str, subdir: str, key: str, sources: list[str], cflags: tuple[str, ...],
+                  ldflags: tuple[str, ...]) -> tuple[str, bool]:
+    """Load ``$EDGEQ_CACHE_DIR/<subdir>/<key[:16]>/<prefix>_<key[:16]>.so``, compiling it first when it is not there
+    (an ``ok`` marker is written after a successful build); returns (library path, built now). Raises on any
+    failure. Shared by both native kernels."""
     from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
 
-    global _loaded_library
-    if _loaded_library is not None:
-        return _loaded_library, False
-    name = f"edgeq_native_{key[:16]}"
-    build_dir = cache_dir() / "native" / key[:16]
-    lib = build_dir / f"{name}.so"
-    done = build_dir / "ok"
-    built = False
+    name = f"{prefix}_{key[:16]}"
+    build_dir = cache_dir() / subdir / key[:16]
+    lib, done = build_dir / f"{name}.so", build_dir / "ok"
     if done.exists() and lib.exists():
         torch.ops.load_library(str(lib))
-    else:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=list(_CFLAGS),  # copies: load() appends to the lists it is given
-            extra_ldflags=list(_LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-        done.write_text(f"{torch.__version__}\n")
-        built = True
-    _loaded_library = str(lib)
+        return str(lib), False
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=name, sources=sources, extra_cflags=list(cflags),  # copies: load() appends to them
+                       extra_ldflags=list(ldflags), build_directory=str(build_dir), is_python_module=False,
+                       verbose=False)
+    done.write_text(f"{torch.__version__}\n")
+    return str(lib), True
+
+
+def build_key() -> str:
+    """This kernel's :func:`source_key`."""
+    return source_key(_CSRC, _SOURCES + _HEADERS, _CFLAGS, _LDFLAGS)
+
+
+def _compile(key: str) -> tuple[str, bool]:
+    """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
+    global _loaded_library
+    if _loaded_library is not None:  # one build per process: a second TORCH_LIBRARY(edgeq) would abort it
+        return _loaded_library, False
+    _loaded_library, built = build_or_load("edgeq_native", "native", key, [str(_CSRC / s) for s in _SOURCES],
+                                           _CFLAGS, _LDFLAGS)
     return _loaded_library, built
 
 

@@ -23,10 +23,8 @@ key = sha256 of the sources, flags, torch version and Python ABI.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from pathlib import Path
 import torch
 
 from edgeq.errors import EdgeqError
-from edgeq.runtime.native import _short, cache_dir
+from edgeq.runtime.native import _short, build_or_load, source_key
 
 ENV_ISA = "EDGEQ_W4A8_ISA"
 ISAS = ("scalar", "avx2", "avxvnni", "vnni", "amx")  # worst first
@@ -71,36 +69,17 @@ _loaded_library: str | None = None
 
 
 def build_key() -> str:
-    """sha256 over the kernel sources, flags, torch version and Python ABI."""
-    h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes() + b"\0")
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(f"{torch.__version__}|{sys.implementation.cache_tag}|{platform.machine()}".encode())
-    return h.hexdigest()
+    """sha256 over the kernel sources, flags, torch version and Python ABI (:func:`native.source_key`)."""
+    return source_key(_CSRC, _SOURCES + _HEADERS, _CFLAGS, _LDFLAGS)
 
 
 def _compile(key: str) -> tuple[str, bool]:
     """Build (or reuse) the extension; returns (library path, built_now). Raises on any failure."""
-    from torch.utils import cpp_extension  # lazily: it pulls in setuptools
-
     global _loaded_library
     if _loaded_library is not None:
         return _loaded_library, False
-    name = f"edgeq_w4a8_{key[:16]}"
-    build_dir = cache_dir() / "native_w4a8" / key[:16]
-    lib, done = build_dir / f"{name}.so", build_dir / "ok"
-    built = False
-    if done.exists() and lib.exists():
-        torch.ops.load_library(str(lib))
-    else:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=list(_CFLAGS),
-                           extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-        done.write_text(f"{torch.__version__}\n")
-        built = True
-    _loaded_library = str(lib)
+    _loaded_library, built = build_or_load("edgeq_w4a8", "native_w4a8", key, [str(_CSRC / s) for s in _SOURCES],
+                                           _CFLAGS, _LDFLAGS)
     return _loaded_library, built
 
 
