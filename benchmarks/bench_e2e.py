@@ -159,7 +159,9 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
             else:
                 desc = (f"max_model_len {e['max_model_len']}, KV {mib(e['kv_cache_bytes'])}, threads {e['threads_now']}, "
                         f"decode {e['decode_path']}" + (f" ({(e.get('native') or {}).get('isa')})" if e.get("native") else "")
-                        + f", prefill {e['prefill_path']} at M >= {e['prefill_crossover']}")
+                        + f", prefill {e['prefill_path']}"
+                        + (f" at M >= {e['prefill_crossover']}" if e.get("prefill_crossover") is not None else "")
+                        + (f" ({e['path_note']})" if e.get("path_note") else ""))
             lines.append(f"- {model} {s.label}: {desc}; {paths}")
     for model, prep, report in results:
         for f in report.flags:
