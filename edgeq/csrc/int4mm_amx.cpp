@@ -10,12 +10,10 @@
 // Tiles: 0-3 C (one per 16-row vector v and nibble h), 4 A, 5-7 B. The tile configuration is loaded per block and
 // released after it, so whatever else runs on the thread (oneDNN also uses AMX) finds the tiles as it expects.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cpuid.h>
 #include <cstring>
 
+#include "amx_os.h"
 #include "int4mm.h"
 
 #pragma GCC push_options
@@ -62,6 +60,62 @@ inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][1
   }
 }
 
+// Tiles 0-3: C (v, h); 4: A; 5-7: B. One 32-k step: A = 16 (or fewer) rows of x, B = the decoded pairs b[v][h].
+template <int NV>
+inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NV == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+
+template <int NV>
+inline void tile_step(const uint16_t* x, int64_t ldx, const uint16_t (*b)[2][16 * 32]) {
+  _tile_loadd(4, x, ldx * 2);
+  _tile_loadd(5, b[0][0], 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, b[0][1], 64);
+  _tile_dpbf16ps(1, 4, 6);
+  if constexpr (NV == 2) {
+    _tile_loadd(7, b[1][0], 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b[1][1], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+template <int NV>
+inline void store_c(float (*cbuf)[2][16 * 16]) {
+  _tile_stored(0, cbuf[0][0], 64);
+  _tile_stored(1, cbuf[0][1], 64);
+  if constexpr (NV == 2) {
+    _tile_stored(2, cbuf[1][0], 64);
+    _tile_stored(3, cbuf[1][1], 64);
+  }
+}
+
+// Per group, the scale and zero of the 16 rows of C tile (v, h): y += c_dot * D + c_sum * xs (see the top).
+template <int S>
+inline void group_coeffs(const Int4Args& a, int64_t row0, int64_t g, int v, int h, __m512* c_dot, __m512* c_sum) {
+  const __m512i d = _mm512_loadu_si512(a.sz + (g * a.N + row0) * 2 + 2 * (h * (S / 2) + 16 * v));
+  const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+  const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  *c_dot = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+  *c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+}
+
+// fp32 rows ys [M][S] -> bf16 y[:, row0 .. row0 + S).
+template <int S>
+inline void store_bf16(const Int4Args& a, int64_t row0, const float* ys) {
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int i = 0; i < S; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+}
+
 template <int S>
 void block_halves(const Int4Args& a, int64_t row0, float* ys) {
   constexpr int NV = S / 32;
@@ -84,45 +138,21 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
     _tile_loadconfig(&cfg);
     const uint16_t* x = a.x + m0 * K;
     for (int64_t g = 0; g < ng; ++g) {
-      _tile_zero(0);
-      _tile_zero(1);
-      if constexpr (NV == 2) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
+      zero_c<NV>();
       for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
         auto& b = bt[(k0 / 32) & 1];
         decode_32k<S>(w + k0 * (S / 2), idx, b);
-        _tile_loadd(4, x + k0, K * 2);
-        _tile_loadd(5, b[0][0], 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b[0][1], 64);
-        _tile_dpbf16ps(1, 4, 6);
-        if constexpr (NV == 2) {
-          _tile_loadd(7, b[1][0], 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, b[1][1], 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
+        tile_step<NV>(x + k0, K, b);
       }
-      _tile_stored(0, cbuf[0][0], 64);
-      _tile_stored(1, cbuf[0][1], 64);
-      if constexpr (NV == 2) {
-        _tile_stored(2, cbuf[1][0], 64);
-        _tile_stored(3, cbuf[1][1], 64);
-      }
+      store_c<NV>(cbuf);
       const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
       for (int i = 0; i < S * 4; i += 64)  // next block's scales for this group (strided by N)
         _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
       for (int v = 0; v < NV; ++v)
         for (int h = 0; h < 2; ++h) {
           const int r = h * (S / 2) + 16 * v;
-          const __m512i d = _mm512_loadu_si512(sz + 2 * r);
-          const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-          const __m512 zr =
-              _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-          const __m512 c_dot = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
-          const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+          __m512 c_dot, c_sum;
+          group_coeffs<S>(a, row0, g, v, h, &c_dot, &c_sum);
           for (int m = 0; m < mt; ++m) {
             float* yp = ys + (m0 + m) * S + r;
             __m512 y = _mm512_loadu_ps(yp);
@@ -134,11 +164,7 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
     }
     _tile_release();
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int i = 0; i < S; i += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
-    }
+  store_bf16<S>(a, row0, ys);
 }
 
 // M > 16 (prefill): decode each group of the block once into B tiles and apply them to every 16-row chunk of x,
@@ -162,45 +188,15 @@ void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
   _tile_loadconfig(&cfg);
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t st = 0; st < steps; ++st) decode_32k<S>(w + (g * G + 32 * st) * (S / 2), idx, bt[st]);
-    const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
     __m512 c_dot[NV][2], c_sum[NV][2];
     for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h) {
-        const __m512i d = _mm512_loadu_si512(sz + 2 * (h * (S / 2) + 16 * v));
-        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-        const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-        c_dot[v][h] = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
-        c_sum[v][h] = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
-      }
+      for (int h = 0; h < 2; ++h) group_coeffs<S>(a, row0, g, v, h, &c_dot[v][h], &c_sum[v][h]);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int mt = static_cast<int>(M - m0 < 16 ? M - m0 : 16);
       const uint16_t* x = a.x + m0 * K + g * G;
-      _tile_zero(0);
-      _tile_zero(1);
-      if constexpr (NV == 2) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t st = 0; st < steps; ++st) {
-        auto& b = bt[st];
-        _tile_loadd(4, x + 32 * st, K * 2);
-        _tile_loadd(5, b[0][0], 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b[0][1], 64);
-        _tile_dpbf16ps(1, 4, 6);
-        if constexpr (NV == 2) {
-          _tile_loadd(7, b[1][0], 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, b[1][1], 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
-      }
-      _tile_stored(0, cbuf[0][0], 64);
-      _tile_stored(1, cbuf[0][1], 64);
-      if constexpr (NV == 2) {
-        _tile_stored(2, cbuf[1][0], 64);
-        _tile_stored(3, cbuf[1][1], 64);
-      }
+      zero_c<NV>();
+      for (int64_t st = 0; st < steps; ++st) tile_step<NV>(x + 32 * st, K, bt[st]);
+      store_c<NV>(cbuf);
       for (int m = 0; m < mt; ++m) {
         const __m512 xsum = _mm512_set1_ps(a.xs[(m0 + m) * ng + g]);
         float* yrow = ys + (m0 + m) * S;
@@ -216,11 +212,7 @@ void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
     }
   }
   _tile_release();
-  for (int64_t m = 0; m < M; ++m)
-    for (int i = 0; i < S; i += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
-    }
+  store_bf16<S>(a, row0, ys);
 }
 
 }  // namespace
@@ -243,13 +235,6 @@ bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
 
 namespace edgeq {
 
-bool amx_usable() {
-  // CPUID.(7,0):EDX bit 24 AMX-TILE, bit 22 AMX-BF16; then ask Linux for the tile data state (process-wide, once).
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+bool amx_usable() { return amx_granted(22); }  // AMX-TILE + AMX-BF16
 
 }  // namespace edgeq

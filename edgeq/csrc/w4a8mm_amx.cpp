@@ -12,12 +12,10 @@
 // Tiles: see configure(). The configuration is loaded per column block and released after
 // it, so other AMX users on the thread (oneDNN) find the tiles as they expect.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cpuid.h>
 #include <cstring>
 
+#include "amx_os.h"
 #include "w4a8mm.h"
 
 #pragma GCC push_options
@@ -124,13 +122,6 @@ void block_amx(const Args& a, int64_t nb, uint8_t* scratch) {
 
 namespace edgeq_w4a8 {
 
-bool amx_usable() {
-  // CPUID.(7,0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8; then ask Linux for the tile data state (process-wide).
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+bool amx_usable() { return amx_granted(25); }  // AMX-TILE + AMX-INT8
 
 }  // namespace edgeq_w4a8

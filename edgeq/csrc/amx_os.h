@@ -1,0 +1,17 @@
+// AMX availability, shared by both native kernels (int4mm_amx.cpp: AMX-BF16, w4a8mm_amx.cpp: AMX-INT8).
+// Include before any `#pragma GCC target`: the function is plain x86-64 code, and `static` keeps one private copy
+// per translation unit (no inline symbol for the linker to pick from a target-specific unit).
+#pragma once
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// CPUID.(7,0):EDX bit 24 AMX-TILE and `type_bit` (22 AMX-BF16, 25 AMX-INT8); then ask Linux for the tile data state
+// (process-wide; asking again is harmless).
+static inline bool amx_granted(int type_bit) {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1) || !((edx >> type_bit) & 1)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
