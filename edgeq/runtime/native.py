@@ -154,6 +154,19 @@ def _lacks_message(forced: str, has: tuple[str, ...]) -> str:
     )
 
 
+def isa_request(env: str, isas: tuple[str, ...], what: str) -> tuple[str, str | None, bool]:
+    """Read ``env`` (an ISA of ``isas``, ``off`` or ``auto``; unset is auto): (request, why the kernel cannot run here
+    or None, whether that reason is the user's error). Shared by both native kernels."""
+    forced = (os.environ.get(env) or "auto").strip().lower()
+    if forced not in isas + ("auto", "off"):
+        return forced, f"{env}={forced!r} is not one of {', '.join(isas[::-1])}, off, auto; fix or unset it", True
+    if forced == "off":
+        return forced, f"disabled by {env}=off", False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return forced, f"{what} is x86-64 only (this is {platform.machine()})", False
+    return forced, None, False
+
+
 def _load() -> _State:
     """Read EDGEQ_NATIVE_ISA, build or load the library, pick the ISA: once per process (tests may reset _state)."""
     global _state
@@ -161,15 +174,10 @@ def _load() -> _State:
         if _state is not None:
             return _state
         st = _State()
-        forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
+        forced, why_not, st.user_error = isa_request(ENV_ISA, ISAS, "the native kernel")
         st.forced = None if forced == "auto" else forced
-        if forced not in ISAS + ("auto", "off"):
-            st.reason = f"{ENV_ISA}={forced!r} is not one of amx, avx512, avx2, scalar, off, auto; fix or unset it"
-            st.user_error = True
-        elif forced == "off":
-            st.reason = f"disabled by {ENV_ISA}=off"
-        elif platform.machine().lower() not in ("x86_64", "amd64"):
-            st.reason = f"the native kernel is x86-64 only (this is {platform.machine()})"
+        if why_not is not None:
+            st.reason = why_not
         else:
             _build_and_choose(st, forced)
         _state = st

@@ -23,8 +23,6 @@ key = sha256 of the sources, flags, torch version and Python ABI.
 
 from __future__ import annotations
 
-import os
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from pathlib import Path
 import torch
 
 from edgeq.errors import EdgeqError
-from edgeq.runtime.native import _short, build_or_load, source_key
+from edgeq.runtime.native import _short, build_or_load, isa_request, source_key
 
 ENV_ISA = "EDGEQ_W4A8_ISA"
 ISAS = ("scalar", "avx2", "avxvnni", "vnni", "amx")  # worst first
@@ -102,16 +100,10 @@ def _load() -> _State:
         if _state is not None:
             return _state
         st = _State()
-        forced = (os.environ.get(ENV_ISA) or "auto").strip().lower()
+        forced, why_not, st.user_error = isa_request(ENV_ISA, ISAS, "the native W4A8 kernel")
         st.forced = None if forced == "auto" else forced
-        if forced not in ISAS + ("auto", "off"):
-            st.reason = (f"{ENV_ISA}={forced!r} is not one of amx, vnni, avxvnni, avx2, scalar, off, auto; "
-                         "fix or unset it")
-            st.user_error = True
-        elif forced == "off":
-            st.reason = f"disabled by {ENV_ISA}=off"
-        elif platform.machine().lower() not in ("x86_64", "amd64"):
-            st.reason = f"the native W4A8 kernel is x86-64 only (this is {platform.machine()})"
+        if why_not is not None:
+            st.reason = why_not
         else:
             t0 = time.perf_counter()
             try:
