@@ -11,6 +11,8 @@
 #pragma once
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace edgeq {
 
 // Block modes: how the s/2 bytes of one k inside a row block of s rows hold the s rows.
@@ -43,21 +45,8 @@ bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys);
 // CPU has AMX-TILE/AMX-BF16 and Linux granted this process the tile state (asks once; call before block_amx).
 bool amx_usable();
 
-// fp32 -> bf16, round to nearest even, NaN kept quiet (same rule as c10::BFloat16).
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
+using edgeq_bf16::bf16_to_f32;  // bf16.h
+using edgeq_bf16::f32_to_bf16;
 
 // Write the fp32 scratch ys [M][s] (rows of the block in order) to y as bf16.
 inline void store_rows(const Int4Args& a, int64_t row0, int s, const float* ys) {

@@ -18,6 +18,8 @@
 #pragma once
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace edgeq_w4a8 {
 
 constexpr float kActEps = 1e-7f;
@@ -58,21 +60,8 @@ void block_amx(const Args& a, int64_t nb, uint8_t* scratch);
 // Must be called on every thread before block_amx (configures this thread's tiles, once per call of the op).
 bool amx_usable();  // CPU has AMX-TILE/AMX-INT8 and Linux granted the tile data state (asks once)
 
-// fp32 -> bf16 bits, round to nearest even; NaN -> quiet 0x7fc0 (c10::BFloat16's rule).
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
+using edgeq_bf16::bf16_to_f32;  // bf16.h
+using edgeq_bf16::f32_to_bf16;
 
 // Row c (0..31) of a block: which 16-lane vector (0 lo, 1 hi) and lane hold it.
 inline int lane_half(int c) { return (c >> 3) & 1; }

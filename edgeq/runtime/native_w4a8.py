@@ -40,7 +40,7 @@ _FEATURE_BIT = {"avx2": 4, "avxvnni": 8, "vnni": 1, "amx": 2}
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_avx2.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp")
-_HEADERS = ("w4a8mm.h", "w4a8mm_avx512.h", "amx_os.h")
+_HEADERS = ("w4a8mm.h", "w4a8mm_avx512.h", "amx_os.h", "bf16.h")
 # -ffp-contract=off: no multiply-add is fused unless written as one (the kernel's rounding is part of its contract).
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP.
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function")
