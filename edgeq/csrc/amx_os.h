@@ -1,10 +1,22 @@
-// AMX availability, shared by both native kernels (int4mm_amx.cpp: AMX-BF16, w4a8mm_amx.cpp: AMX-INT8).
+// AMX availability and the tile configuration layout, shared by both native kernels (int4mm_amx.cpp: AMX-BF16,
+// w4a8mm_amx.cpp: AMX-INT8).
 // Include before any `#pragma GCC target`: the function is plain x86-64 code, and `static` keeps one private copy
 // per translation unit (no inline symbol for the linker to pick from a target-specific unit).
 #pragma once
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cstdint>
+
+// The 64-byte operand of ldtilecfg (palette 1): per tile, rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 // CPUID.(7,0):EDX bit 24 AMX-TILE and `type_bit` (22 AMX-BF16, 25 AMX-INT8); then ask Linux for the tile data state
 // (process-wide; asking again is harmless).

@@ -22,14 +22,6 @@
 namespace edgeq {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 inline __m512i pair_index(int bytes_per_k, int v) {
   alignas(64) uint8_t idx[64] = {0};
   for (int l = 0; l < 16; ++l) {

@@ -26,14 +26,6 @@
 namespace edgeq_w4a8 {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Two 16-row M tiles share each B tile: C tiles 0, 1 (rows m0.., lo / hi), 2, 3 (rows m0+16.., lo / hi); A tiles 4, 5;
 // B tiles 6 (lo), 7 (hi). mt1 = 0 leaves the second M tile out.
 void configure(int mt0, int mt1, int kc) {
