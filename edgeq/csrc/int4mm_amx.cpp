@@ -19,23 +19,10 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,amx-tile,amx-bf16")
 
+#include "int4mm_pairs.h"  // after the target pragma: AVX512 code
+
 namespace edgeq {
 namespace {
-
-inline __m512i pair_index(int bytes_per_k, int v) {
-  alignas(64) uint8_t idx[64] = {0};
-  for (int l = 0; l < 16; ++l) {
-    idx[4 * l] = static_cast<uint8_t>(16 * v + l);
-    idx[4 * l + 2] = static_cast<uint8_t>(bytes_per_k + 16 * v + l);
-  }
-  return _mm512_load_si512(idx);
-}
-
-template <int S>
-inline __m512i load_pair(const uint8_t* p) {
-  if constexpr (S == 64) return _mm512_loadu_si512(p);
-  else return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // Decode 32 k (16 pairs) of the block into B tiles bt[v][h]: 16 rows of 16 (w_k, w_k+1) bf16 pairs each.
 template <int S>

@@ -53,7 +53,7 @@ BLOCK_NS = (32, 64)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp")
-_HEADERS = ("int4mm.h", "amx_os.h", "bf16.h")
+_HEADERS = ("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h")
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function")
 _LDFLAGS = ("-fopenmp",)
