@@ -271,17 +271,10 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
         else:
             mapped += qweight.numel()
         mapped += sz.numel() * sz.element_size()
-        bias = None
         consumed.update({f"{name}.qweight", f"{name}.scales_and_zeros"})
-        if old.bias is not None:
-            if f"{name}.bias" not in files:
-                raise EdgeqError(f"{name}: the model has a bias but the checkpoint has no {name}.bias")
-            bias = files.get(f"{name}.bias")
-            if bias.dtype != torch.bfloat16:
-                bias = bias.to(torch.bfloat16)
-                copied += bias.numel() * 2
-            else:
-                mapped += bias.numel() * 2
+        bias, bias_copied, bias_mapped = skeleton.quantized_bias(files, name, old)
+        copied, mapped = copied + bias_copied, mapped + bias_mapped
+        if bias is not None:
             consumed.add(f"{name}.bias")
         perm = _input_perm(files, name, k, perms)
         if perm is not None:

@@ -76,6 +76,19 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def quantized_bias(files, name: str, old: nn.Module) -> tuple[torch.Tensor | None, int, int]:
+    """The bias of quantised module ``name`` when the model's Linear ``old`` has one: (bf16 tensor or None, bytes
+    copied, bytes used mapped). A bf16 bias is used as stored; another float dtype is cast (a copy)."""
+    if old.bias is None:
+        return None, 0, 0
+    if f"{name}.bias" not in files:
+        raise EdgeqError(f"{name}: the model has a bias but the checkpoint has no {name}.bias")
+    bias = files.get(f"{name}.bias")
+    if bias.dtype != torch.bfloat16:
+        return bias.to(torch.bfloat16), bias.numel() * 2, 0
+    return bias, 0, bias.numel() * 2
+
+
 def attach(model: nn.Module, files, dtype: torch.dtype, skip: set[str], tie_head: bool) -> dict:
     """Replace every meta parameter/buffer by the mapped tensor of the same name.
 

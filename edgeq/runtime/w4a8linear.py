@@ -31,6 +31,8 @@ from torch import nn
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as layout
+from edgeq.runtime import skeleton
+from edgeq.runtime.qinfo import read_json
 from edgeq.scheme import Scheme
 
 KERNEL = layout.KERNEL
@@ -59,20 +61,6 @@ class W4A8Info:
         return str(self.layout.get("layout_hash"))
 
 
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise EdgeqError(f"{path}: missing") from e
-    except ValueError as e:
-        raise EdgeqError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise EdgeqError(f"{path}: expected a JSON object")
-    return data
-
-
 def is_w4a8_config(config: dict) -> bool:
     """True when config.json's quantization_config says ``kernel: amx_w4a8`` (cheap; no manifest read)."""
     qc = config.get("quantization_config")
@@ -86,7 +74,7 @@ def read_info(directory: str | Path, config: dict) -> W4A8Info | None:
     if not isinstance(qc, dict) or qc.get("quant_method") != "edgeq":
         return None
     where = directory / MANIFEST
-    m = _read_json(where)
+    m = read_json(where)
     kernel, cfg_kernel = m.get("kernel"), qc.get("kernel")
     if KERNEL not in (kernel, cfg_kernel):
         return None
@@ -329,19 +317,12 @@ def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: 
             raise EdgeqError(f"{name}: packed weight is [{n}, {k}] but config.json implies [{old.out_features}, {old.in_features}]")
         mapped += sum(t.numel() * t.element_size() for t in parts.values())
         consumed.update(f"{name}{s}" for s in parts)
-        bias = None
-        if old.bias is not None:
-            if f"{name}.bias" not in files:
-                raise EdgeqError(f"{name}: the model has a bias but the checkpoint has no {name}.bias")
-            bias = files.get(f"{name}.bias")
-            if bias.dtype != torch.bfloat16:
-                bias = bias.to(torch.bfloat16)
-                copied += bias.numel() * 2
-            else:
-                mapped += bias.numel() * 2
+        bias, bias_copied, bias_mapped = skeleton.quantized_bias(files, name, old)
+        copied, mapped = copied + bias_copied, mapped + bias_mapped
+        if bias is not None:
             consumed.add(f"{name}.bias")
-        _set_module(model, name, W4A8Linear(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g, bias,
-                                            counts, choice))
+        skeleton.set_module(model, name, W4A8Linear(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g,
+                                                    bias, counts, choice))
     settings = {
         "decode_path": choice.path,
         "prefill_path": choice.path,
@@ -352,9 +333,3 @@ def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: 
         "scratch_bytes": 0,
     }
     return consumed, mapped, copied, settings
-
-
-def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)
