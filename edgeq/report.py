@@ -777,13 +777,7 @@ def _roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule]
         layout = tinygemm.TinygemmLayout.from_json(manifest.layout)
     except EdgeqError:
         return []  # already reported from the headers
-    # the head, then one module of each distinct shape (different N exercise different tail blocks)
-    picks = [HEAD_MODULE] if HEAD_MODULE in modules else []
-    shapes = {(modules[m].n, modules[m].k) for m in picks}
-    for m in sorted(modules):
-        if len(picks) < ROUNDTRIP_SAMPLE and (modules[m].n, modules[m].k) not in shapes:
-            picks.append(m)
-            shapes.add((modules[m].n, modules[m].k))
+    picks = _roundtrip_picks(modules)
     done = []
     for m in picks:
         mod, info = modules[m], ckpt.tensors[f"{m}.qweight"]
@@ -802,15 +796,22 @@ def _roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule]
     return done
 
 
-def _w4a8_roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule], problems: list[str]) -> list[str]:
-    """amx_w4a8: unpack + pack must give back the stored bytes, the int32 compensation after every slot included
-    (a stale compensation would shift every output of the kernel), on the head and one module of each shape."""
+def _roundtrip_picks(modules: dict[str, QModule]) -> list[str]:
+    """The head, then one module of each distinct shape (different N exercise different tail blocks), at most
+    ROUNDTRIP_SAMPLE."""
     picks = [HEAD_MODULE] if HEAD_MODULE in modules else []
     shapes = {(modules[m].n, modules[m].k) for m in picks}
     for m in sorted(modules):
         if len(picks) < ROUNDTRIP_SAMPLE and (modules[m].n, modules[m].k) not in shapes:
             picks.append(m)
             shapes.add((modules[m].n, modules[m].k))
+    return picks
+
+
+def _w4a8_roundtrip(ckpt: Checkpoint, manifest: Manifest, modules: dict[str, QModule], problems: list[str]) -> list[str]:
+    """amx_w4a8: unpack + pack must give back the stored bytes, the int32 compensation after every slot included
+    (a stale compensation would shift every output of the kernel), on the head and one module of each shape."""
+    picks = _roundtrip_picks(modules)
     done = []
     for m in picks:
         g = modules[m].group_size
