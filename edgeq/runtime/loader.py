@@ -255,12 +255,7 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
     perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
     g = info.scheme.group_size
     for name in info.quantized_modules:
-        try:
-            old = model.get_submodule(name)
-        except AttributeError as e:
-            raise EdgeqError(f"manifest lists quantised module {name} but the model built from config.json has no such module") from e
-        if not isinstance(old, nn.Linear):
-            raise EdgeqError(f"{name}: listed as quantised but is a {type(old).__name__}, not a Linear")
+        old = skeleton.quantized_target(model, name)
         qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
         n, k = tinygemm.check_shapes(name, qweight, sz, g)
         if (n, k) != (old.out_features, old.in_features):

@@ -121,6 +121,16 @@ def _nibble_order(layout: TinygemmLayout) -> str | None:
     return None
 
 
+def forward_2d(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A quantised module's forward: x [..., K] (any float dtype) as contiguous bf16 rows through
+    ``module.linear2d``, reshaped back to [..., N]. Shared by Int4Linear and W4A8Linear."""
+    shape = x.shape
+    x2 = x.reshape(-1, module.in_features)
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
+    return module.linear2d(x2.contiguous()).reshape(*shape[:-1], module.out_features)
+
+
 class Int4Linear(nn.Module):
     """y = x @ dequant(W).T + bias, W stored tinygemm-packed (uint8 [N, K/2]) with bf16 scales_and_zeros [K/G, N, 2]."""
 
@@ -150,11 +160,7 @@ class Int4Linear(nn.Module):
         return self._rows * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        return self.linear2d(x2.contiguous()).reshape(*shape[:-1], self.out_features)
+        return forward_2d(self, x)
 
     def linear2d(self, x2: torch.Tensor) -> torch.Tensor:
         """y [M, N] (a new tensor) for a contiguous bf16 x2 [M, K]: the kernel below the crossover, the dequant path

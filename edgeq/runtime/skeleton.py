@@ -76,6 +76,17 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def quantized_target(model: nn.Module, name: str) -> nn.Linear:
+    """The Linear that the manifest's quantised module ``name`` replaces; an error when the model has no such Linear."""
+    try:
+        old = model.get_submodule(name)
+    except AttributeError as e:
+        raise EdgeqError(f"manifest lists quantised module {name} but the model built from config.json has no such module") from e
+    if not isinstance(old, nn.Linear):
+        raise EdgeqError(f"{name}: listed as quantised but is a {type(old).__name__}, not a Linear")
+    return old
+
+
 def quantized_bias(files, name: str, old: nn.Module) -> tuple[torch.Tensor | None, int, int]:
     """The bias of quantised module ``name`` when the model's Linear ``old`` has one: (bf16 tensor or None, bytes
     copied, bytes used mapped). A bf16 bias is used as stored; another float dtype is cast (a copy)."""

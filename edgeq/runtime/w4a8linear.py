@@ -32,6 +32,7 @@ from torch import nn
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as layout
 from edgeq.runtime import skeleton
+from edgeq.runtime.qlinear import forward_2d
 from edgeq.runtime.qinfo import read_json
 from edgeq.scheme import Scheme
 
@@ -268,11 +269,7 @@ class W4A8Linear(nn.Module):
         return 0  # both paths' scratch is per call (bounded, freed on return), nothing shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        return self.linear2d(x2.contiguous()).reshape(*shape[:-1], self.out_features)
+        return forward_2d(self, x)
 
     def linear2d(self, x2: torch.Tensor) -> torch.Tensor:
         """y bf16 [M, N] (a new tensor) for a contiguous bf16 x2 [M, K]; the bias is the kernel's fp32 starting value.
@@ -297,12 +294,7 @@ def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: 
     consumed: set[str] = set()
     mapped = copied = 0
     for name in info.quantized_modules:
-        try:
-            old = model.get_submodule(name)
-        except AttributeError as e:
-            raise EdgeqError(f"manifest lists quantised module {name} but the model built from config.json has no such module") from e
-        if not isinstance(old, nn.Linear):
-            raise EdgeqError(f"{name}: listed as quantised but is a {type(old).__name__}, not a Linear")
+        old = skeleton.quantized_target(model, name)
         if f"{name}.perm" in files:
             raise EdgeqError(f"{name}.perm: an input permutation (act-order) is not supported with the amx_w4a8 "
                              "kernel; the checkpoint is inconsistent, re-quantise it")
