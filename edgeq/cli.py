@@ -5,33 +5,22 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError  # typer vendors click
 
+from edgeq.cli_help import EdgeqGroup
+from edgeq.cli_output import emit, emit_line, err, error, out, say  # noqa: F401 - the commands' one output module
 from edgeq.errors import EdgeqError, ThresholdError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: plain click help, so a help text's "[default: ...]" is shown, not read as rich markup.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=EdgeqGroup,
+                  rich_markup_mode=None, context_settings={"max_content_width": 120},
                   help="4-bit checkpoints for edge CPUs: quantize, inspect, run, and prove fidelity.")
-# Not a terminal (pipes, CI logs): wide enough that tensor names are not cut.
-out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-
-
-def emit(value, as_json: bool, render=None) -> None:
-    """Print a result dataclass as JSON or through its human renderer."""
-    if as_json:
-        data = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-        typer.echo(json.dumps(data, indent=2, default=str))
-    elif render is not None:
-        render(value)
-    else:
-        out.print(value)
 
 
 def _mib(n: int) -> str:
@@ -261,30 +250,84 @@ def parse_bytes(text: str) -> int:
     return parse(text)
 
 
-def main() -> None:
+def version_line() -> str:
+    """``edgeq --version``: edgeq, torch, transformers and whether each native kernel is built, on one line."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from edgeq import __version__
+    from edgeq.runtime import native, native_w4a8
+
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        transformers = "not installed"
+
+    def built(subdir: str, key: str) -> str:  # the build's "ok" marker (native.build_or_load); nothing is built here
+        return "built" if (native.cache_dir() / subdir / key[:16] / "ok").exists() else "not built yet (`edgeq native`)"
+
+    return (f"edgeq {__version__}, torch {torch.__version__}, transformers {transformers}; native kernels: "
+            f"w4a16 {built('native', native.build_key())}, w4a8 {built('native_w4a8', native_w4a8.build_key())}")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(version_line(), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the versions of edgeq, torch and transformers and whether the "
+                                            "native kernels are built, and exit.")) -> None:
+    """4-bit checkpoints for edge CPUs: quantize, inspect, run, and prove fidelity."""
+
+
+def _usage_message(e: UsageError) -> str:
+    """A click usage error as one line, pointing at the command's --help."""
+    if isinstance(e, NoSuchOption) and e.possibilities:  # worded like click's "No such command ... Did you mean"
+        message = f"{e.message}. Did you mean {', '.join(repr(p) for p in sorted(e.possibilities))}?"
+    else:
+        message = e.format_message().strip().replace("\n", " ").rstrip(".")
+    return f"{message} (see '{e.ctx.command_path} --help')" if e.ctx is not None else message
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings shown to users: ``warning: <message>`` only, never the source path and line that raised it."""
+    error(str(message), prefix="warning")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``edgeq`` entry point: every failure is one ``error: ...`` line on stderr, exit code 2 (1: a threshold)."""
     _register_edges()
+    warnings.showwarning = _show_warning
     try:
         # Non-standalone typer returns the exit code of typer.Exit, and 130 for a KeyboardInterrupt it caught.
-        code = app(standalone_mode=False)
+        code = app(args=argv, prog_name="edgeq", standalone_mode=False)
         if code == 130:
             raise KeyboardInterrupt
         sys.exit(code if isinstance(code, int) else 0)
     except EdgeqError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        error(str(e))
         sys.exit(2)
     except ThresholdError as e:
-        err.print(f"[red]threshold broken:[/red] {e}", highlight=False, soft_wrap=True)
+        error(str(e), prefix="threshold broken")
         sys.exit(1)
     except KeyboardInterrupt:
-        err.print("interrupted: nothing was written (partial output removed)")
+        say("interrupted: nothing was written (partial output removed)")
         sys.exit(2)
-    except Exception as e:
-        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
-            e.show()
-            sys.exit(2)
-        if type(e).__name__ == "Abort":
-            sys.exit(2)
-        raise
+    except NoArgsIsHelpError as e:  # bare `edgeq`: the help, on stderr
+        e.show()
+        sys.exit(2)
+    except UsageError as e:
+        error(_usage_message(e))
+        sys.exit(2)
+    except ClickException as e:
+        error(e.format_message())
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(2)
 
 
 if __name__ == "__main__":
