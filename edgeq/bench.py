@@ -41,6 +41,7 @@ import typer
 
 from edgeq.bench_worker import PassSpec
 from edgeq.errors import EdgeqError
+from edgeq.hub import REVISION_HELP, resolve_model, resolve_models
 
 SCHEMA_VERSION = 1
 MIN_PASSES = 3
@@ -785,8 +786,9 @@ def llama_cpp_available() -> bool:
 
 
 def bench_command(
-    checkpoint: Optional[Path] = typer.Argument(None, help="edgeq checkpoint (or bf16 HF checkpoint) to measure."),
-    vs: Optional[Path] = typer.Option(None, "--vs", help="Second arm: another checkpoint (e.g. the bf16 reference)."),
+    checkpoint: Optional[Path] = typer.Argument(None, help="edgeq checkpoint (or bf16 HF checkpoint) to measure: directory or hub id."),
+    vs: Optional[Path] = typer.Option(None, "--vs", help="Second arm: another checkpoint (e.g. the bf16 reference), directory or hub id."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP + " Applies to every hub id given."),
     vs_gguf: Optional[Path] = typer.Option(None, "--vs-gguf", help="llama.cpp arm: a .gguf file (needs llama-cpp-python)."),
     vs_env: list[str] = typer.Option([], "--vs-env", help="KEY=VALUE in the --vs arm's environment, e.g. EDGEQ_NATIVE_ISA=off."),
     prompt_len: int = typer.Option(512, "--prompt-len", help="Prompt tokens (prefill, pp)."),
@@ -797,7 +799,7 @@ def bench_command(
     kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes", help="KV cache budget, e.g. 256MiB."),
     prefill_threshold: Optional[int] = typer.Option(None, "--prefill-threshold", help="Override the prefill crossover M."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed request before the timed one."),
-    convert: Optional[str] = typer.Option(None, "--convert", help="Conversion mode: time and peak memory of `edgeq quantize MODEL`."),
+    convert: Optional[str] = typer.Option(None, "--convert", help="Conversion mode: time and peak memory of `edgeq quantize MODEL` (directory or hub id, fetched before timing)."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="Conversion mode: scheme [default: the recipe's]."),
     method: Optional[str] = typer.Option(None, "--method", help="Conversion mode: method [default: the recipe's]."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds before a pass is killed (and counts as failed)."),
@@ -810,13 +812,14 @@ def bench_command(
     if convert is not None:
         if checkpoint is not None or vs is not None or vs_gguf is not None:
             raise EdgeqError("--convert MODEL measures a conversion; give no CHECKPOINT, --vs or --vs-gguf with it")
-        r = run_convert(convert, scheme, method, passes, timeout_s=timeout, progress=say)
+        r = run_convert(str(resolve_model(convert, revision)), scheme, method, passes, timeout_s=timeout, progress=say)
         typer.echo(to_json(r)) if as_json else render_convert(r, out, err)
         if r.failures:
             raise typer.Exit(1)
         return
     if checkpoint is None:
         raise EdgeqError("give a CHECKPOINT to measure (or --convert MODEL)")
+    checkpoint, vs = resolve_models([checkpoint, vs], revision)  # hub ids: fetched (or found in the cache) before any pass
     for p in (checkpoint, vs):
         if p is not None and not (Path(p) / "config.json").is_file():
             raise EdgeqError(f"{p}: no config.json; expected an edgeq or Hugging Face checkpoint directory")

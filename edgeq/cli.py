@@ -16,6 +16,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOpt
 from edgeq.cli_help import EdgeqGroup
 from edgeq.cli_output import emit, emit_line, err, error, out, say  # noqa: F401 - the commands' one output module
 from edgeq.errors import EdgeqError, ThresholdError
+from edgeq.hub import REVISION_HELP, display_name, resolve_model
 
 # rich_markup_mode=None: plain click help, so a help text's "[default: ...]" is shown, not read as rich markup.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=EdgeqGroup,
@@ -29,7 +30,8 @@ def _mib(n: int) -> str:
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="Hugging Face model directory (or hub id, when online); float or GPTQ."),
+    model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
                                          "for GPTQ input the checkpoint's group size]."),
@@ -66,7 +68,8 @@ def quantize(
         err.print(f"--scheme auto: {scheme} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     parsed = Scheme.parse(scheme) if scheme else None
     gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
-    prepared = prepare(model, parsed, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
+    prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
+                       head_from=head_from, gptq=gptq)
     plan = prepared[1]
     if dry_run:
         rows = plan_rows(plan)
@@ -155,8 +158,9 @@ def recipes(as_json: bool = typer.Option(False, "--json")) -> None:
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint)."),
+    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint): directory or hub id."),
     prompt: str = typer.Argument(..., help="The prompt text."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
     max_tokens: int = typer.Option(64, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -171,6 +175,7 @@ def generate(
     """Generate text, streamed to stdout; load info and tokens/s on stderr."""
     from edgeq.runtime.generate import generate_command
 
+    model = str(resolve_model(model, revision))
     generate_command(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat,
                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, stop=stop, strict_layout=strict_layout,
                      threads=threads)
@@ -178,7 +183,8 @@ def generate(
 
 @app.command()
 def serve(
-    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint)."),
+    model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint): directory or hub id."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
@@ -192,8 +198,10 @@ def serve(
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from edgeq.runtime.serve import serve_command
 
-    serve_command(model, host=host, port=port, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                  queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name,
+    path = str(resolve_model(model, revision))
+    serve_command(path, host=host, port=port, max_model_len=max_model_len,
+                  kv_cache_bytes=kv_cache_bytes, queue_size=queue_size, max_body_bytes=max_body_bytes,
+                  model_name=model_name or display_name(model),  # a snapshot directory is named by its commit
                   strict_layout=strict_layout, threads=threads)
 
 

@@ -107,21 +107,11 @@ class ConvertReport:
 
 
 def resolve_source(src: str | Path) -> Path:
-    """A local directory, or a hub id (``org/name``) resolved with huggingface_hub when online."""
-    p = Path(src)
-    if p.exists():
-        return p
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)):
-        try:
-            from huggingface_hub import snapshot_download
+    """A local directory, or a hub id (``org/name``): :func:`edgeq.hub.resolve_model`, the one resolver of every
+    command (cache, offline mode, revision)."""
+    from edgeq.hub import resolve_model
 
-            return Path(snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
-        except Exception as e:  # any hub failure (offline, 404, auth) becomes one line
-            raise EdgeqError(
-                f"{src}: not a local directory, and fetching it from the Hugging Face hub failed ({type(e).__name__}); "
-                "check the path, or download the model first when online"
-            ) from None
-    raise EdgeqError(f"{src}: no such directory")
+    return resolve_model(src)
 
 
 def refuse_quantized_input(ckpt: Checkpoint) -> None:

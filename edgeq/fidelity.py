@@ -40,6 +40,7 @@ import torch
 import typer
 
 from edgeq.errors import EdgeqError, ThresholdError
+from edgeq.hub import REVISION_HELP, resolve_models
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "heldout-prose.txt"
 REPORT_SCHEMA = "edgeq.fidelity/1"
@@ -928,11 +929,13 @@ def run_fidelity(ref: Optional[str | os.PathLike], quant: Optional[str | os.Path
                  save_ref: Optional[str | os.PathLike] = None, ref_file: Optional[str | os.PathLike] = None,
                  per_layer: bool = False, top: int = 10, ref_topk: int = DEFAULT_REF_TOPK,
                  progress: Optional[Progress] = None,
-                 load_fn: Optional[Callable[[Any], Any]] = None) -> FidelityReport:
+                 load_fn: Optional[Callable[[Any], Any]] = None, allow_swapped: bool = False) -> FidelityReport:
     """``edgeq fidelity`` on checkpoint paths. ``load_fn(path)`` returns an object with ``.model``, ``.tokenizer``
     and ``.config`` (default: ``edgeq.runtime.load``). With ``ref_file`` the reference is not loaded (``ref`` must be
-    None); the reference file is read before the quantised model is loaded so that a bad file fails fast."""
+    None); the reference file is read before the quantised model is loaded so that a bad file fails fast.
+    ``allow_swapped``: see :func:`check_order`."""
     load = load_fn or _default_load
+    check_order(ref, quant, allow_swapped)
     text = _read_text(text_path) if text_path is not None else None
     if quant is None:
         raise EdgeqError("fidelity: no quantised checkpoint given; usage: edgeq fidelity REF QUANT")
@@ -951,6 +954,27 @@ def run_fidelity(ref: Optional[str | os.PathLike], quant: Optional[str | os.Path
     return compare(load(ref), load(quant), text=text, ctx=ctx or DEFAULT_CTX, score=score or "half",
                    max_tokens=max_tokens, per_layer=per_layer, top=top, save_ref=save_ref, ref_topk=ref_topk,
                    progress=progress)
+
+
+def is_edgeq_checkpoint(path: str | os.PathLike) -> bool:
+    """An edgeq checkpoint carries its manifest (every kernel's); a Hugging Face checkpoint does not."""
+    from edgeq.checkpoint.manifest import MANIFEST
+
+    return (Path(path) / MANIFEST).is_file()
+
+
+def check_order(ref: Optional[str | os.PathLike], quant: Optional[str | os.PathLike], allow_swapped: bool = False) -> None:
+    """Refuse REF and QUANT given the wrong way round: REF an edgeq checkpoint and QUANT not.
+
+    Swapped, the comparison still runs and reports PPL(quant)/PPL(ref) = PPL(reference)/PPL(quantised), typically
+    just below 1, which a ``--max-ppl-ratio`` gate passes: a broken quantisation would go green. Two edgeq
+    checkpoints, or two plain ones, are taken as given; ``allow_swapped`` takes this case as given too."""
+    if allow_swapped or ref is None or quant is None:
+        return
+    if is_edgeq_checkpoint(ref) and not is_edgeq_checkpoint(quant):
+        raise EdgeqError(f"fidelity: REF {ref} is an edgeq checkpoint and QUANT {quant} is not; the order is "
+                         f"REF QUANT (the reference first): run edgeq fidelity {quant} {ref}, or pass --allow-swapped "
+                         "to score them as given")
 
 
 def _read_text(path: str | os.PathLike) -> str:
@@ -1031,8 +1055,10 @@ def _progress_bar():
 
 
 def fidelity_command(
-    models: Annotated[list[Path], typer.Argument(help="REF QUANT; or QUANT alone with --ref FILE; or REF alone with --save-ref FILE", show_default=False,
+    models: Annotated[list[Path], typer.Argument(help="REF QUANT (directories or hub ids); or QUANT alone with --ref FILE; or REF alone with --save-ref FILE", show_default=False,
                                              metavar="REF QUANT")],
+    revision: Annotated[Optional[str], typer.Option("--revision", help=REVISION_HELP + " Applies to every hub id given.")] = None,
+    allow_swapped: Annotated[bool, typer.Option("--allow-swapped", help="score REF QUANT as given when REF is an edgeq checkpoint and QUANT is not (refused otherwise: the order is probably swapped)")] = False,
     text: Annotated[Optional[Path], typer.Option("--text", help="UTF-8 evaluation text (default: the bundled held-out prose, edgeq/data/heldout-prose.txt)")] = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="tokens per window (default: 512, or the --ref file's)")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="stop after this many scored tokens")] = None,
@@ -1052,6 +1078,9 @@ def fidelity_command(
 
     if not 1 <= len(models) <= 2:
         raise EdgeqError(f"fidelity: {len(models)} checkpoints given; usage: edgeq fidelity REF QUANT")
+    models = resolve_models(models, revision)
+    if len(models) == 2:
+        check_order(*models, allow_swapped)  # before the progress bar, so that the refusal is the only stderr line
     out = Console()
     bar, update = _progress_bar()
     with bar:
@@ -1067,7 +1096,7 @@ def fidelity_command(
         ref_path, quant_path = (None, models[0]) if len(models) == 1 else (models[0], models[1])
         report = run_fidelity(ref_path, quant_path, text_path=text, ctx=ctx, score=score, max_tokens=max_tokens,
                               save_ref=save_ref, ref_file=ref, per_layer=per_layer, top=top, ref_topk=ref_topk,
-                              progress=update)
+                              progress=update, allow_swapped=allow_swapped)
     if json_out:
         print(report.to_json())
     else:

@@ -35,6 +35,7 @@ from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.safetensors_io import DTYPES, FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
 from edgeq.errors import EdgeqError, ThresholdError
+from edgeq.hub import REVISION_HELP, resolve_model
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as w4a8_layout
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch, w4a8_scratch
@@ -1103,7 +1104,8 @@ def _render_memory(report: InspectReport, out, Table) -> None:
 
 
 def inspect_command(
-    path: Path = typer.Argument(..., help="Checkpoint directory: edgeq, plain Hugging Face, or GPTQ/AWQ/compressed-tensors/torchao/bitsandbytes."),
+    path: Path = typer.Argument(..., help="Checkpoint directory or hub id (org/name): edgeq, plain Hugging Face, or GPTQ/AWQ/compressed-tensors/torchao/bitsandbytes."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
     tensors: bool = typer.Option(False, "--tensors", help="Per-tensor table: name, shape, dtype, role, bytes."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (schema: docs/inspect.md)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context for the memory projection [default: min(model maximum, what the KV budget holds)]."),
@@ -1116,7 +1118,7 @@ def inspect_command(
     """Show what is in a checkpoint, what serving it costs, and what is wrong with it (headers only by default)."""
     from edgeq.cli import emit, err, out, parse_bytes
 
-    report = inspect_checkpoint(path, verify=verify, max_model_len=max_model_len,
+    report = inspect_checkpoint(resolve_model(path, revision), verify=verify, max_model_len=max_model_len,
                                 kv_cache_bytes=parse_bytes(kv_cache_bytes), strict_layout=strict_layout,
                                 recipe=recipe, tensors=tensors)
     emit(report, as_json, lambda r: render(r, out, err))

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from edgeq import fidelity as F
 from edgeq.errors import EdgeqError, ThresholdError
+from test_quantize_errors import run_cli
 
 V = 48  # fake vocabulary: "<bos>", "<eos>", then words w2..w47
 
@@ -649,6 +650,9 @@ def cli(monkeypatch, tmp_path):
     models = {"ref": model, "same": copy.deepcopy(model), "light": quantised_copy(model, 0.02),
               "heavy": quantised_copy(model, 0.5)}
     monkeypatch.setattr(F, "_default_load", lambda p: side(models[Path(p).name]))
+    monkeypatch.chdir(tmp_path)  # the checkpoints are local directories (else they would be looked up on the hub)
+    for name in models:
+        (tmp_path / name).mkdir()
     text = tmp_path / "t.txt"
     text.write_text(make_text(500))
     app = typer.Typer()
@@ -688,6 +692,39 @@ def test_cli_per_layer_table(cli):
     out = cli("ref", "heavy", "--per-layer", "--top", "2")
     assert out.exit_code == 0, out.output
     assert "worst 2 of 3 quantised linears" in out.stdout
+
+
+def test_cli_refuses_swapped_reference_and_quantised(cli, tmp_path, capsys):
+    """REF an edgeq checkpoint, QUANT not: refused (exit 2, one line with the fix) before anything is loaded.
+    Scored as given (--allow-swapped), the PPL ratio is the reciprocal of the true one: a gate would be fooled."""
+    (tmp_path / "heavy" / "edgeq_manifest.json").write_text("{}")  # only the file's presence marks an edgeq checkpoint
+    common = ["--text", str(tmp_path / "t.txt"), "--ctx", "32", "--json"]
+    code, out, err = run_cli(["fidelity", "heavy", "ref", "--max-ppl-ratio", "1", *common], capsys)
+    assert code == 2 and out == "", (out, err)
+    assert err.startswith("error: fidelity: REF heavy is an edgeq checkpoint and QUANT ref is not; the order is REF "
+                          "QUANT") and "run edgeq fidelity ref heavy, or pass --allow-swapped" in err
+    assert err.count("\n") == 1
+    code, out, err = run_cli(["fidelity", "ref", "heavy", *common], capsys)
+    assert code == 0, err
+    right = json.loads(out)["ppl_ratio"]
+    code, out, err = run_cli(["fidelity", "heavy", "ref", "--allow-swapped", *common], capsys)
+    assert code == 0, err
+    assert json.loads(out)["ppl_ratio"] == pytest.approx(1 / right, rel=1e-9) and right != pytest.approx(1)
+
+
+def test_order_check_takes_two_edgeq_or_two_plain_checkpoints_as_given(tmp_path):
+    for name in ("a", "b", "q"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "q" / "edgeq_manifest.json").write_text("{}")
+    (tmp_path / "b" / "edgeq_manifest.json").write_text("{}")
+    F.check_order(tmp_path / "a", tmp_path / "q")  # the right order
+    F.check_order(tmp_path / "b", tmp_path / "q")  # two edgeq checkpoints (e.g. two schemes)
+    F.check_order(tmp_path / "a", tmp_path / "a")  # two plain ones
+    F.check_order(tmp_path / "q", tmp_path / "a", allow_swapped=True)
+    with pytest.raises(EdgeqError, match="the order is REF QUANT"):
+        F.check_order(tmp_path / "q", tmp_path / "a")
+    with pytest.raises(EdgeqError, match="the order is REF QUANT"):  # the API refuses too, before loading anything
+        F.run_fidelity(tmp_path / "q", tmp_path / "a", load_fn=lambda p: pytest.fail("loaded"))
 
 
 # ------------------------------------------------------------------------------------------- transformers path
