@@ -129,7 +129,8 @@ def _render_plan(rows: list[dict], summary: dict) -> None:
 
 
 def _render_convert(r) -> None:
-    out.print(f"wrote {r.out}  ({r.scheme}, {r.method}, recipe {r.recipe})")
+    out.print(f"wrote {r.out}  ({r.scheme}, {r.method}, recipe {r.recipe}; layout {r.layout})", highlight=False,
+              soft_wrap=True)
     out.print(f"  {_mib(r.bytes_in)} -> {_mib(r.bytes_out)}  ({r.ratio:.2f}x)   {r.seconds:.1f} s   "
               f"peak RSS {_mib(r.peak_rss_bytes)} (anon {_mib(r.peak_rss_anon_bytes)})")
     out.print(f"  {r.quantized} weights quantised, head from {r.head_source}{' (untied)' if r.untied else ''}")

@@ -4,9 +4,10 @@ Order of work: resolve the input, read headers, build and check the plan (no wei
 and the disk, then per tensor: read a row block (positioned reads, no mmap), quantise, pack with the kernel's own
 op, append to the output shard. Peak memory is one row block's working set, whatever the model size.
 
-All output goes to a temporary sibling directory that is renamed into place only after the result has been
-re-opened and checked (head quantised, shapes, shard hashes). Any failure or Ctrl-C removes it; the input is
-only ever read.
+All output goes to a temporary sibling directory that is renamed into place (fsynced) only after the result has been
+re-opened and checked (head quantised, shapes, shard hashes). Any failure, Ctrl-C or SIGTERM removes it; leftovers of
+a killed run are removed by the next run to the same output; the input is only ever read, and an output that is,
+contains or lies inside an input is refused (edgeq/checkpoint/output.py).
 
 Three inputs/methods share this pipeline:
 
@@ -39,7 +40,8 @@ from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
 from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, replace_dir, sha256_file
+from edgeq.checkpoint.output import commit, prepare_output, say, staging
+from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
 from edgeq import convert_w4a8, ingest
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
@@ -100,6 +102,8 @@ class ConvertReport:
     shards: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # reported choices (head handling, requantised layers, calibration), one line each
     details: dict = field(default_factory=dict)  # the manifest's method record (GPTQ ingest / calibration)
+    layout: str = ""  # the packed layout written, and why (describe_layout)
+    warnings: tuple[str, ...] = ()  # also printed on stderr (e.g. no tokenizer files)
 
     @property
     def ratio(self) -> float:
@@ -233,34 +237,34 @@ def convert(
     plan.check()
     layout = convert_w4a8.layout_record(plan.scheme) if convert_w4a8.is_w4a8(plan.scheme) else tinygemm.probe()
     out = Path(out).resolve()
+    prepare_output(out, _inputs(ckpt, plan))
     _check_output(out, force, plan.bytes_out + (64 << 20))
     windows, calib = _calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
-    tmp = out.parent / f".{out.name}.edgeq-tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    writer = None
-    try:
-        order = write_order(plan)
-        specs = [OutSpec(n, DTYPES[d][0], s) for e in order for n, d, s in e.out_tensors(plan.scheme)]
-        writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"edgeq_format_version": str(FORMAT_VERSION)})
-        if plan.method == "gptq":
-            stats = _stream_gptq(ckpt, plan, order, layout, writer, _Progress(progress), windows)
-            stats["details"] = {"gptq": {"calibration": calib, **stats["details"]}}
-        else:
-            stats = _stream(ckpt, plan, layout, writer, _Progress(progress))
-        digests = writer.close()
-        manifest = _manifest(plan, layout, digests, order, stats["details"])
-        manifest.write(tmp)
-        _write_config(ckpt, tmp, plan, layout, manifest)
-        _copy_aux(ckpt.root, tmp)
-        verify_written(tmp)  # assertion 3 of 3 (2 was the plan's): re-open what was written
-        replace_dir(tmp, out)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it
+        writer = None
+        try:
+            order = write_order(plan)
+            specs = [OutSpec(n, DTYPES[d][0], s) for e in order for n, d, s in e.out_tensors(plan.scheme)]
+            writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"edgeq_format_version": str(FORMAT_VERSION)})
+            if plan.method == "gptq":
+                stats = _stream_gptq(ckpt, plan, order, layout, writer, _Progress(progress), windows)
+                stats["details"] = {"gptq": {"calibration": calib, **stats["details"]}}
+            else:
+                stats = _stream(ckpt, plan, layout, writer, _Progress(progress))
+            digests = writer.close()
+            manifest = _manifest(plan, layout, digests, order, stats["details"])
+            manifest.write(tmp)
+            _write_config(ckpt, tmp, plan, layout, manifest)
+            _copy_aux(ckpt.root, tmp)
+            verify_written(tmp)  # assertion 3 of 3 (2 was the plan's): re-open what was written
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        commit(tmp, out)  # fsynced: files and directory before the rename, the parent after
+    warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
+    for w in warnings:
+        say(f"warning: {w}")
     anon_peak, rss_peak = stats["anon_peak"], _rss()[1]
     errs = stats["errors"]
     worst = max(errs, key=errs.get)
@@ -270,8 +274,43 @@ def convert(
         seconds=time.perf_counter() - t0, peak_rss_bytes=rss_peak, peak_rss_anon_bytes=anon_peak,
         mean_relative_error=sum(errs.values()) / len(errs), worst_relative_error=errs[worst], worst_tensor=worst,
         head_source=plan.head.source, untied=plan.tied, layout_hash=layout.layout_hash, shards=digests,
-        notes=tuple(_notes(plan, stats["details"])), details=stats["details"],
+        notes=tuple(_notes(plan, stats["details"])), details=stats["details"], layout=describe_layout(layout),
+        warnings=tuple(warnings),
     )
+
+
+def _inputs(ckpt: Checkpoint, plan: Plan) -> list[Path]:
+    """Everything the conversion reads, which no output may replace or contain: the model directory, its weight
+    files (they may be symlinks into another directory, as in the hub cache), --head-from, --calib."""
+    found = [ckpt.root, *ckpt.files, *(Path(e.origin) for e in plan.entries if e.origin)]
+    if plan.method == "gptq":
+        found.append(Path(plan.options.calib))
+    return found
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: the runtime loads a tokenizer
+
+
+def tokenizer_problem(directory: Path) -> str | None:
+    """Why ``generate`` and ``serve`` could not encode text with this directory's files; None when they could.
+    A warning at quantize time (token-id users such as fidelity and bench need no tokenizer), a problem in inspect."""
+    if any((Path(directory) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return (f"{directory}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); `edgeq generate` and `serve` "
+            "cannot encode text without them; copy the original model's tokenizer files next to the weights")
+
+
+def describe_layout(layout) -> str:
+    """The packed layout written, and why: the summary line of ``edgeq quantize``. Under ATEN_CPU_CAPABILITY torch
+    packs for the forced ISA (e.g. AVX2, 32-row blocks on an AVX512 CPU), and a process without it repacks at load."""
+    if isinstance(layout, convert_w4a8.W4A8Layout):
+        return f"amx_w4a8 {layout.layout_hash[:12]} (fixed bytes, the same on every CPU)"
+    text = f"tinygemm {layout.cpu_capability} {layout.layout_hash[:12]} ({layout.block_n}-row blocks"
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not forced:
+        return text + ", torch's dispatch on this CPU)"
+    return text + (f", because ATEN_CPU_CAPABILITY={forced} is set; a process without it may use another layout "
+                   "and repack at every load: unset it and re-run, or `edgeq repack` where the model runs)")
 
 
 def write_order(plan: Plan) -> list[PlanEntry]:

@@ -905,6 +905,10 @@ def inspect_checkpoint(
     geometry = kv_geometry(ckpt.config)
     if kind == "edgeq":
         info, rows, modules, params, bits, manifest = _edgeq(ckpt, rec, strict_layout, problems, warnings)
+        from edgeq.convert import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
+
+        if no_tokenizer := tokenizer_problem(ckpt.root):
+            problems.append(no_tokenizer)
         w4 = info.kernel == w4a8_layout.KERNEL
         memory = _edgeq_memory(ckpt, modules, geometry, kv_cache_bytes, max_model_len,
                                repack=not info.layout_matches and not w4, kernel=info.kernel)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from edgeq.checkpoint.output import temp_dir
 from edgeq.errors import EdgeqError
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -272,17 +273,37 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a finished directory into place; an existing ``out`` is removed only after the rename succeeded."""
+    """Move a finished directory into place, durably.
+
+    Every file under ``tmp`` and ``tmp`` itself are fsynced before the rename and the parent directory after it, so
+    once this returns a power loss cannot bring back a missing or half-written ``out`` (rename alone orders nothing
+    on disk: ext4/xfs may persist the new name before the data). An existing ``out`` is renamed aside to
+    ``.OUT.edgeq-old-PID`` first and removed only after the new one is in place; a process killed in between
+    leaves it there, and the next writer of ``out`` puts it back (edgeq.checkpoint.output.remove_stale)."""
+    fsync_tree(tmp)
     old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.edgeq-old-{os.getpid()}"
+    if out.exists() or out.is_symlink():
+        old = temp_dir(out, "old")
         out.rename(old)
     tmp.rename(out)
+    fsync_path(out.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()  # --force over a file (or a symlink: the link goes, never its target)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``, then ``root``: their data and names reach the disk."""
+    for p in sorted(Path(root).rglob("*"), key=lambda p: -len(p.parts)):
+        if p.is_file() or p.is_dir():
+            fsync_path(p)
+    fsync_path(root)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file (its data) or a directory (its entries: names created or renamed in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

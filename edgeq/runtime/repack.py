@@ -2,15 +2,14 @@
 
 Every ``*.qweight`` is unpacked with the layout recorded in the manifest and packed with the target layout (this
 machine's :func:`~edgeq.layouts.tinygemm.probe` by default); every other tensor and file is copied unchanged. The
-result is written into a temporary sibling directory and renamed into place (the old directory is renamed aside
-first and removed last), so an interruption leaves either the old or the new checkpoint, never a mix.
+result is written into a temporary sibling directory and renamed into place (fsynced; the old directory is renamed
+aside first and removed last), so an interruption (Ctrl-C, SIGTERM, SIGKILL, power loss) leaves either the old or the
+new checkpoint, never a mix. An explicit output may not be, contain or lie inside the input (edgeq/checkpoint/output.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from edgeq.checkpoint.safetensors_io import replace_dir
+from edgeq.checkpoint.output import check_output_path, commit, remove_stale, staging
+from edgeq.checkpoint.safetensors_io import sha256_file
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
@@ -35,14 +35,6 @@ class RepackReport:
     seconds: float
     old_layout_hash: str
     new_layout_hash: str
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _metadata(shard: Path) -> dict | None:
@@ -63,6 +55,9 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         raise EdgeqError(f"{src}: not an edgeq checkpoint (no quantization_config); nothing to repack")
     target = layout or tinygemm.probe()
     changed = not info.layout.is_compatible(target)
+    if out is not None:
+        check_output_path(out, [src])  # in place is the default (no output), never an output that is the input
+    remove_stale(dst)
     if not changed and dst == src:
         return RepackReport(str(dst), False, 0, 0, 0.0, info.layout.layout_hash, target.layout_hash)
     if dst != src and dst.exists() and any(dst.iterdir()):
@@ -70,11 +65,8 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
     t0 = time.perf_counter()
     files = MappedFiles(src)
     quantized = set(info.quantized_modules)
-    tmp = dst.parent / f".{dst.name}.edgeq-repack-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     count = nbytes = 0
-    try:
+    with staging(dst, "repack") as tmp:  # SIGTERM and Ctrl-C remove it
         shards = sorted({Path(i.file) for i in files.infos.values()})
         digests = {}
         for shard in shards:
@@ -89,7 +81,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
                     count, nbytes = count + 1, nbytes + t.numel()
                 tensors[name] = t
             save_file(tensors, str(tmp / shard.name), metadata=_metadata(shard))
-            digests[shard.name] = _sha256(tmp / shard.name)
+            digests[shard.name] = sha256_file(tmp / shard.name)
         for f in src.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", MANIFEST):
                 shutil.copy2(f, tmp / f.name)
@@ -100,10 +92,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         config["quantization_config"]["layout"] = target.fingerprint()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         del files, tensors
-        replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        commit(tmp, dst)
     return RepackReport(str(dst), changed, count, nbytes, time.perf_counter() - t0, info.layout.layout_hash, target.layout_hash)
 
 
@@ -111,9 +100,12 @@ def repack_command(path: str, out: str | None = None) -> None:
     """`edgeq repack PATH [--out DIR]`: rewrite the packed weights for this machine's kernel layout."""
     import sys  # noqa: PLC0415
 
+    from edgeq.convert import describe_layout  # noqa: PLC0415
+
     r = repack(path, out)
+    layout = describe_layout(tinygemm.probe())  # the target: what this process's torch packs for, and why
     if not r.changed:
-        print(f"{r.path}: already packed for this machine (layout {r.new_layout_hash[:12]}); nothing to do", file=sys.stderr)
+        print(f"{r.path}: already packed for this machine (layout {layout}); nothing to do", file=sys.stderr)
     else:
         print(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
-              f"to {r.new_layout_hash[:12]} in {r.seconds:.2f} s", file=sys.stderr)
+              f"to {layout} in {r.seconds:.2f} s", file=sys.stderr)

@@ -1,0 +1,146 @@
+"""The rules every writer (``quantize``, ``repack``) follows for its output directory, in one place.
+
+- :func:`check_output_path`: the output may not be an input, contain one, or lie inside one (symlinks resolved),
+  with or without ``--force``: replacing ``OUT`` would delete the input, writing inside it would alter it.
+- :func:`staging`: the output is built in a hidden sibling ``.OUT.edgeq-KIND-PID`` (KIND ``tmp`` for quantize,
+  ``repack`` for repack); while it exists SIGTERM (what ``timeout``, ``docker stop`` and systemd send) raises
+  KeyboardInterrupt exactly like SIGINT, so both take the same cleanup path (the CLI exits 2, "interrupted"). The
+  previous handlers are restored afterwards.
+- :func:`commit`: the rename into place (:func:`edgeq.checkpoint.safetensors_io.replace_dir`, which fsyncs) with
+  SIGINT/SIGTERM deferred, so an interrupt cannot tear it; one that arrives meanwhile is reported and dropped,
+  because the output is complete by then.
+- :func:`remove_stale`: SIGKILL (and power loss) runs no cleanup, so every writer first looks for siblings of its
+  own output named ``.OUT.edgeq-{tmp,repack,old}-PID`` whose PID is not a running process here, and removes them
+  (an ``old`` one, the previous output set aside by a replacement that died half-way, is put back when ``OUT`` is
+  missing), one stderr line each. A directory of a live process is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from edgeq.errors import EdgeqError
+
+KINDS = ("tmp", "repack", "old")
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+_defer = {"active": False, "pending": None}  # set by commit(): the handler records a signal instead of raising
+
+
+def say(message: str) -> None:
+    """One line on stderr (writers report what they clean up and warn before a long write)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_output_path(out: str | Path, inputs: Iterable[str | Path]) -> None:
+    """Refuse an output directory that is, contains, or lies inside any of ``inputs`` (after resolving symlinks)."""
+    o = Path(out).resolve()
+    for src in inputs:
+        s = Path(src).resolve()
+        relation = "is" if o == s else "contains" if o in s.parents else "is inside" if s in o.parents else None
+        if relation:
+            raise EdgeqError(f"{out}: the output directory {relation} the input {s}; writing there would destroy or "
+                             "alter the input (also with --force); choose an output directory outside it")
+
+
+def temp_dir(out: Path, kind: str, pid: int | None = None) -> Path:
+    """The hidden sibling of ``out`` that process ``pid`` (default: this one) writes or sets aside."""
+    return out.parent / f".{out.name}.edgeq-{kind}-{os.getpid() if pid is None else pid}"
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # not a concurrent writer: this process has not made it (a container restart reuses PIDs)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove temporary siblings of ``out`` left by processes that no longer run; returns what was removed."""
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.edgeq-({'|'.join(KINDS)})-(\d+)")
+    found = sorted((m[1] != "old", p, int(m[2])) for p in out.parent.iterdir()
+                   if (m := pattern.fullmatch(p.name)) and p.is_dir() and not p.is_symlink())
+    removed = []
+    for _, p, pid in found:  # "old" first: it may be put back
+        if _running(pid):
+            continue
+        if p.name.startswith(f".{out.name}.edgeq-old-") and not out.exists():
+            p.rename(out)
+            say(f"restored {out} from {p.name}: process {pid} had set it aside to replace it and died before finishing")
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+        who = "an earlier run with this PID" if pid == os.getpid() else f"process {pid}, which is no longer running"
+        say(f"removed {p}: left by {who} (killed or lost power mid-write)")
+    return removed
+
+
+def _raise_interrupt(signum, frame) -> None:
+    if _defer["active"]:
+        _defer["pending"] = signum
+        return
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt for the duration (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _raise_interrupt) for s in _INTERRUPTS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def prepare_output(out: Path, inputs: Iterable[str | Path]) -> None:
+    """What every writer does first: the path rule, then the leftovers of earlier runs (before checking whether
+    ``out`` exists or the disk has room: a restored ``old`` is the user's output, a removed ``tmp`` frees space)."""
+    check_output_path(out, inputs)
+    remove_stale(out)
+
+
+@contextmanager
+def staging(out: Path, kind: str) -> Iterator[Path]:
+    """Yield a fresh temporary sibling of ``out`` to write into; it is removed on any exception (KeyboardInterrupt
+    from SIGINT or SIGTERM included). The caller's last step is :func:`commit`."""
+    tmp = temp_dir(out, kind)
+    shutil.rmtree(tmp, ignore_errors=True)  # this PID's own leftover (a container restart reuses PIDs)
+    with interrupts_raise():
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def commit(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out`` durably (fsyncs) with interrupts deferred until it is done."""
+    from edgeq.checkpoint.safetensors_io import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
+
+    _defer.update(active=True, pending=None)
+    try:
+        replace_dir(tmp, out)
+    finally:
+        pending = _defer["pending"]
+        _defer.update(active=False, pending=None)
+    if pending is not None:
+        say(f"{signal.Signals(pending).name} arrived during the final rename; {out} is complete")
