@@ -28,6 +28,21 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+MAX_MODEL_LEN_HELP = "Context length [default: the model's maximum, capped by what the KV cache budget holds]."
+THREADS_HELP = "CPU threads [default: torch's default, one per physical core]."
+QUIET_HELP = "No progress or status lines on stderr (errors still print)."
+
+
+def _read_size(ctx, param, value):
+    """Parse a byte-size option as it is read, so that a bad value names its flag (``--kv-cache-bytes: ...``)."""
+    return None if value is None else parse_bytes(value, param.opts[-1])
+
+
+def size_option(default: str, flag: str, help: str):
+    """A byte-size option (256MiB, 1GiB, 500MB, 1048576); the command receives bytes (an int)."""
+    return typer.Option(default, flag, help=help, callback=_read_size)
+
+
 @app.command()
 def quantize(
     model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
@@ -162,23 +177,27 @@ def generate(
     model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint): directory or hub id."),
     prompt: str = typer.Argument(..., help="The prompt text."),
     revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
-    max_tokens: int = typer.Option(64, "--max-tokens"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate at most (EOS or --stop end sooner)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample only from the most likely tokens holding this mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (temperature > 0) [default: random]."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt with the tokenizer's chat template."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable) [default: none]."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help=MAX_MODEL_LEN_HELP),
+    kv_cache_bytes: str = size_option("256MiB", "--kv-cache-bytes", "KV cache budget, e.g. 512MiB."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Nothing streamed: one JSON object on stdout with the text, "
+                                 "token ids, timings and compute paths."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help=QUIET_HELP),
     strict_layout: bool = typer.Option(False, "--strict-layout", help="Refuse a checkpoint packed for another layout."),
 ) -> None:
-    """Generate text, streamed to stdout; load info and tokens/s on stderr."""
+    """Generate text, streamed to stdout; load info and tokens/s on stderr (--json: one JSON record instead)."""
     from edgeq.runtime.generate import generate_command
 
     model = str(resolve_model(model, revision))
     generate_command(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat,
                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, stop=stop, strict_layout=strict_layout,
+                     as_json=as_json, quiet=quiet,
                      threads=threads)
 
 
@@ -186,15 +205,19 @@ def generate(
 def serve(
     model: str = typer.Argument(..., help="An edgeq checkpoint (or a bf16 Hugging Face checkpoint): directory or hub id."),
     revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, reported at startup)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help=MAX_MODEL_LEN_HELP),
+    kv_cache_bytes: str = size_option("256MiB", "--kv-cache-bytes", "KV cache budget, e.g. 512MiB."),
     queue_size: int = typer.Option(8, "--queue-size", help="Requests waiting beyond the running one; more get 429."),
-    max_body_bytes: str = typer.Option("1MiB", "--max-body-bytes"),
-    model_name: Optional[str] = typer.Option(None, "--model-name"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    strict_layout: bool = typer.Option(False, "--strict-layout"),
+    max_body_bytes: str = size_option("1MiB", "--max-body-bytes", "Largest request body; larger ones get 413."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id in /v1/models and responses "
+                                             "[default: the checkpoint directory's name]."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    strict_layout: bool = typer.Option(False, "--strict-layout", help="Refuse a checkpoint packed for another layout."),
+    as_json: bool = typer.Option(False, "--json", help="Startup as one JSON line on stdout (url, port, model, paths); "
+                                 "uvicorn logs warnings only."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No startup line or request log (warnings still print)."),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from edgeq.runtime.serve import serve_command
@@ -203,17 +226,22 @@ def serve(
     serve_command(path, host=host, port=port, max_model_len=max_model_len,
                   kv_cache_bytes=kv_cache_bytes, queue_size=queue_size, max_body_bytes=max_body_bytes,
                   model_name=model_name or display_name(model),  # a snapshot directory is named by its commit
-                  strict_layout=strict_layout, threads=threads)
+                  strict_layout=strict_layout, threads=threads, as_json=as_json, quiet=quiet)
 
 
 @app.command()
 def repack(
     model: str = typer.Argument(..., help="An edgeq checkpoint packed on another machine."),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Write here instead of in place."),
+    as_json: bool = typer.Option(False, "--json", help="The summary as JSON on stdout (path, changed, tensors, bytes, "
+                                 "seconds, old and new layout hash)."),
 ) -> None:
     """Rewrite a checkpoint's packed weights for this machine's measured kernel layout."""
-    from edgeq.runtime.repack import repack_command
+    from edgeq.runtime.repack import repack, repack_command
 
+    if as_json:
+        emit(repack(model, output), as_json)
+        return
     repack_command(model, output)
 
 
@@ -252,11 +280,11 @@ def _register_edges() -> None:
     app.command("fidelity")(fidelity_command)
 
 
-def parse_bytes(text: str) -> int:
-    """'256MiB' -> 268435456 (one implementation: edgeq.runtime.sizes)."""
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """'256MiB' -> 268435456 (one implementation: edgeq.runtime.sizes); an error names ``flag``."""
     from edgeq.runtime.sizes import parse_bytes as parse
 
-    return parse(text)
+    return parse(text, flag)
 
 
 def version_line() -> str:

@@ -17,7 +17,6 @@ stop string, or that ends in an incomplete UTF-8 sequence (U+FFFD), is held back
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -258,22 +257,51 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
 def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int | None = None, chat: bool = False, max_model_len: int | None = None,
                      kv_cache_bytes: str = "256MiB", stop: list[str] | None = None, strict_layout: bool = False,
-                     threads: int | None = None) -> None:
-    """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr."""
+                     threads: int | None = None, as_json: bool = False, quiet: bool = False) -> None:
+    """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr (not with
+    ``quiet``). ``as_json``: nothing streamed, one JSON object on stdout at the end (:func:`generation_record`)."""
+    from edgeq.cli_output import emit, say, write  # noqa: PLC0415
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
+    quiet = quiet or as_json
     t = time.perf_counter()
     lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads)
+    load_seconds = time.perf_counter() - t
     s = lm.settings
-    print(f"loaded {path} in {time.perf_counter() - t:.2f} s: {s.scheme or 'bf16'}, decode {s.decode_path}, prefill "
-          f"{s.prefill_path} (M >= {s.prefill_crossover}), max_model_len {s.max_model_len}, KV cache "
-          f"{s.max_cached_tokens} tokens, {s.threads} threads", file=sys.stderr)
+    say(f"loaded {path} in {load_seconds:.2f} s: {describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "
+        f"{s.max_cached_tokens} tokens, {s.threads} threads", quiet)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
     g = Generation(lm, encode_prompt(lm, prompt, chat), params)
     for d in g:
-        sys.stdout.write(d.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        if not as_json:
+            write(d.text)
     r = g.result
-    print(f"prefill {r.prompt_tokens} tokens at {r.prefill_tokens_per_s:.1f} tok/s; decode {len(r.token_ids)} tokens "
-          f"at {r.decode_tokens_per_s:.1f} tok/s; finish: {r.finish_reason}; paths {dict(lm.path_counts)}", file=sys.stderr)
+    if as_json:
+        emit(generation_record(path, lm, r, load_seconds), as_json=True)
+        return
+    write("\n")
+    say(f"prefill {r.prompt_tokens} tokens at {r.prefill_tokens_per_s:.1f} tok/s; decode {len(r.token_ids)} tokens "
+        f"at {r.decode_tokens_per_s:.1f} tok/s; finish: {r.finish_reason}; paths {dict(lm.path_counts)}", quiet)
+
+
+def describe_paths(s) -> str:
+    """``w4a16-g128, decode native_decode, prefill dequant_prefill (M >= 16)`` from RuntimeSettings; a bf16 model
+    has no crossover, so none is printed."""
+    xover = f" (M >= {s.prefill_crossover})" if s.prefill_crossover is not None else ""
+    return f"{s.scheme or 'bf16'}, decode {s.decode_path}, prefill {s.prefill_path}{xover}"
+
+
+def generation_record(path, lm, r: GenerationResult, load_seconds: float) -> dict:
+    """``edgeq generate --json``: the text, its token ids, the timings and the compute paths that ran (calls per
+    path and per decode loop, counted by the runtime, not echoed settings)."""
+    s = lm.settings
+    return {
+        "model": str(path), "text": r.text, "token_ids": list(r.token_ids), "prompt_tokens": r.prompt_tokens,
+        "finish_reason": r.finish_reason,
+        "timings": {"load_s": load_seconds, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds,
+                    "prefill_tokens_per_s": r.prefill_tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s},
+        "paths": {"scheme": s.scheme or "bf16", "decode_path": s.decode_path, "prefill_path": s.prefill_path,
+                  "prefill_crossover": s.prefill_crossover, "decode_loop": s.decode_loop,
+                  "calls": dict(lm.path_counts), "loop_calls": dict(lm.loop_counts)},
+        "settings": {"max_model_len": s.max_model_len, "max_cached_tokens": s.max_cached_tokens, "threads": s.threads},
+    }
