@@ -166,7 +166,10 @@ class BenchReport:
 
 
 def machine_info() -> dict:
-    """CPU model and the ISA flags that matter here, cores, memory, kernel, Python; from /proc and lscpu."""
+    """CPU model and the ISA flags that matter here, cores, memory, kernel, Python. Memory from psutil (MemTotal of
+    /proc/meminfo); the model name and flags from /proc/cpuinfo and lscpu, which psutil does not report."""
+    import psutil
+
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -185,15 +188,9 @@ def machine_info() -> dict:
                 model = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    mem = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return {
-        "cpu": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(), "memory_bytes": mem,
+        "cpu": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
         "kernel": platform.release(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "loadavg_start": list(os.getloadavg()),
     }

@@ -1,7 +1,9 @@
 """Process memory, read from the kernel: what this process holds, split by kind, and what of a mapping is resident.
 
 Linux only (``/proc`` and ``mincore(2)``); every reader raises :class:`EdgeqError` elsewhere rather than guessing.
-No torch import here: the bench parent uses it too.
+No torch import here: the bench parent uses it too. The kernel's files are read through psutil where psutil reports
+the field (``memory_info``: statm; ``memory_maps``: smaps); by hand only for the two fields it lacks (see
+:func:`status`).
 
 Kinds of resident memory (``/proc/self/status``, kB there, bytes here)::
 
@@ -33,11 +35,14 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from edgeq.errors import EdgeqError
 
 PAGE = mmap.PAGESIZE
-_STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "hwm",
-                  "VmSize": "size"}
+# psutil reports neither: its memory_info().shared is RssFile + RssShmem together, and it has no peak RSS (getrusage's
+# ru_maxrss is a peak too, but the whole life's: it cannot be reset per phase like VmHWM).
+_STATUS_ONLY = ("RssShmem", "VmHWM")
 
 
 @dataclass(frozen=True)
@@ -64,29 +69,25 @@ def _kb_fields(text: str, names) -> dict[str, int]:
 
 
 def status(pid: int | str = "self") -> ProcMemory:
-    try:
+    """VmRSS, RssAnon, RssFile, RssShmem, VmHWM and VmSize of a process.
+
+    psutil's ``memory_info()`` reads /proc/<pid>/statm, whose resident and shared pages are the kernel counters that
+    /proc/<pid>/status prints: ``rss`` = VmRSS (anon + file + shmem pages), ``shared`` = RssFile + RssShmem,
+    ``vms`` = VmSize; so RssAnon = rss - shared, the same number. RssShmem and VmHWM come from status (psutil has
+    neither), and RssFile = shared - RssShmem keeps ``rss == anon + file + shmem`` exact, as in the kernel's files.
+    """
+    try:  # statm first: VmHWM read after it is >= the rss read before it, as when both came from status
+        mem = psutil.Process(os.getpid() if pid == "self" else int(pid)).memory_info()
         text = Path(f"/proc/{pid}/status").read_text()
-    except OSError as e:
-        raise EdgeqError(f"/proc/{pid}/status: unreadable ({e}); edgeq measures memory on Linux only") from e
-    f = _kb_fields(text, _STATUS_FIELDS)
-    missing = [k for k in _STATUS_FIELDS if k not in f]
+    except (OSError, psutil.Error) as e:
+        raise EdgeqError(f"/proc/{pid}: unreadable ({e}); edgeq measures memory on Linux only") from e
+    f = _kb_fields(text, _STATUS_ONLY)
+    missing = [k for k in _STATUS_ONLY if k not in f]
     if missing:
         raise EdgeqError(f"/proc/{pid}/status: no {', '.join(missing)} (Linux >= 4.5 reports them)")
-    return ProcMemory(**{_STATUS_FIELDS[k]: v for k, v in f.items()})
-
-
-def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
-    """/proc/<pid>/smaps_rollup as {field: bytes} (Rss, Pss, Anonymous, Private_Dirty, ...)."""
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError as e:
-        raise EdgeqError(f"/proc/{pid}/smaps_rollup: unreadable ({e}); needs Linux >= 4.14") from e
-    return {k: v for k, v in _kb_fields(text, _AnyName()).items()}
-
-
-class _AnyName:
-    def __contains__(self, name: str) -> bool:
-        return bool(name) and " " not in name and "-" not in name[:1]
+    shmem = f["RssShmem"]
+    return ProcMemory(rss=mem.rss, anon=mem.rss - mem.shared, file=mem.shared - shmem, shmem=shmem, hwm=f["VmHWM"],
+                      size=mem.vms)
 
 
 def reset_peak() -> bool:
@@ -120,32 +121,16 @@ class Mapping:
 
 
 def mappings(pid: int | str = "self") -> list[Mapping]:
-    """Every VMA with its Rss and Anonymous, from /proc/<pid>/smaps."""
+    """Every VMA with its Rss and Anonymous: /proc/<pid>/smaps, read by psutil (``memory_maps(grouped=False)``;
+    an anonymous mapping's path is ``[anon]`` there)."""
     try:
-        text = Path(f"/proc/{pid}/smaps").read_text()
-    except OSError as e:
+        maps = psutil.Process(os.getpid() if pid == "self" else int(pid)).memory_maps(grouped=False)
+    except (OSError, psutil.Error) as e:
         raise EdgeqError(f"/proc/{pid}/smaps: unreadable ({e}); edgeq measures memory on Linux only") from e
-    out: list[Mapping] = []
-    head = None
-    fields: dict[str, int] = {}
-
-    def flush():
-        if head is not None:
-            out.append(Mapping(head[0], head[1], head[2], head[3], fields.get("Rss", 0), fields.get("Anonymous", 0)))
-
-    for line in text.splitlines():
-        first = line.split(None, 1)[0] if line else ""
-        if "-" in first and not first.endswith(":"):
-            flush()
-            parts = line.split(None, 5)
-            a, b = parts[0].split("-")
-            head = (int(a, 16), int(b, 16), parts[1], parts[5].strip() if len(parts) > 5 else "")
-            fields = {}
-        elif first.endswith(":") and len(line.split()) >= 2:
-            key = first[:-1]
-            if key in ("Rss", "Anonymous"):
-                fields[key] = int(line.split()[1]) * 1024
-    flush()
+    out = []
+    for m in maps:
+        start, end = (int(a, 16) for a in m.addr.split("-"))
+        out.append(Mapping(start, end, m.perms, m.path, m.rss, m.anonymous))
     return out
 
 
