@@ -120,6 +120,8 @@ def test_chat_errors_and_unknown_route(server):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_queue_full_gets_429(server):
