@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from edgeq.errors import DamagedCheckpointError
+from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.runtime import load
 from edgeq.runtime import serve as serve_module
 from edgeq.runtime.serve import INT64_MAX, INT64_MIN, create_app
@@ -159,6 +159,12 @@ def test_chat_without_a_template_speaks_http(served, monkeypatch):
     monkeypatch.setattr(served[1].tokenizer, "chat_template", None)
     err = _error(_post(served[0], CHAT, {"messages": MSGS}), 400)
     assert err["code"] == "no_chat_template" and "/v1/completions" in err["message"] and "--" not in err["message"]
+
+
+def test_a_model_without_tokenizer_is_refused_before_serving(served, monkeypatch):
+    monkeypatch.setattr(served[1], "tokenizer", None)
+    with pytest.raises(EdgeqError, match=r"no tokenizer files .* copy them from the source model"):
+        create_app(served[1])
 
 
 def _slow_decode(monkeypatch, lm, delay: float = 0.02) -> list:

@@ -288,7 +288,11 @@ async def _until_disconnect(request: Request, cancel: threading.Event) -> None:
 
 
 def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app for a loaded model (``edgeq.runtime.load``)."""
+    """The FastAPI app for a loaded model (``edgeq.runtime.load``); a model without a tokenizer is refused here,
+    before serving, rather than with an error on every request."""
+    if lm.tokenizer is None:
+        raise EdgeqError(f"{lm.path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); the server "
+                         f"needs them to read prompts and write text: copy them from the source model")
     limit = parse_bytes(max_body_bytes, "max_body_bytes")
     name = model_name or lm.path.name
     engine = Engine(lm, queue_size)
