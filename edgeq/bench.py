@@ -772,7 +772,7 @@ def default_context(checkpoint: str, kv_cache_bytes: str) -> int:
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     g = kv_geometry(config)
-    tokens = parse_bytes(kv_cache_bytes) // g.bytes_per_token
+    tokens = parse_bytes(kv_cache_bytes, "--kv-cache-bytes") // g.bytes_per_token
     return min(tokens, g.max_positions) if g.max_positions else tokens
 
 

@@ -43,6 +43,15 @@ def size_option(default: str, flag: str, help: str):
     return typer.Option(default, flag, help=help, callback=_read_size)
 
 
+def check_method(method: str | None) -> None:
+    """Refuse an unknown --method before any file is read, suggesting the closest name."""
+    from edgeq.quantize.rtn import METHODS
+    from edgeq.scheme import unknown_choice
+
+    if method is not None and method not in METHODS + ("gptq",):
+        raise EdgeqError(unknown_choice("--method", method, METHODS + ("gptq",)))
+
+
 @app.command()
 def quantize(
     model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
@@ -69,7 +78,7 @@ def quantize(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    max_shard_size: str = typer.Option("2GiB", "--max-shard-size", help="Largest output shard, e.g. 2GiB, 500MB."),
+    max_shard_size: str = size_option("2GiB", "--max-shard-size", "Largest output shard, e.g. 2GiB, 500MB."),
 ) -> None:
     """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
     from edgeq.checkpoint.plan import plan_rows
@@ -82,6 +91,7 @@ def quantize(
         scheme = auto_scheme()  # measured once per machine by `edgeq route`, then cached
         err.print(f"--scheme auto: {scheme} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     parsed = Scheme.parse(scheme) if scheme else None
+    check_method(method)
     gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
                        head_from=head_from, gptq=gptq)
@@ -247,16 +257,22 @@ def repack(
 
 @app.command()
 def demo(
-    scheme: str = typer.Option("w4a16-g128", "--scheme"),
-    method: Optional[str] = typer.Option(None, "--method"),
-    keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the quantised checkpoint in this directory."),
+    scheme: str = typer.Option("w4a16-g128", "--scheme", help="Scheme to quantise with."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn | minmax | gptq [default: the recipe's]."),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the quantised checkpoint in this directory "
+                                        "[default: a temporary directory, removed]."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate."),
-    as_json: bool = typer.Option(False, "--json"),
+    fidelity_tokens: int = typer.Option(4096, "--fidelity-tokens", help="Held-out tokens to score."),
+    as_json: bool = typer.Option(False, "--json", help="The summary as JSON on stdout (no progress lines)."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No step-by-step progress on stderr."),
 ) -> None:
     """Quantize, inspect, score and run the bundled trained model, offline, and print one summary."""
     from edgeq.demo import render, run_demo
 
-    emit(run_demo(scheme, method, keep, max_tokens), as_json, lambda r: render(r, out))
+    check_method(method)
+    progress = None if quiet or as_json else say
+    emit(run_demo(scheme, method, keep, max_tokens, fidelity_tokens, progress=progress), as_json,
+         lambda r: render(r, out))
 
 
 @app.command()

@@ -1123,7 +1123,7 @@ def inspect_command(
     from edgeq.cli import emit, err, out, parse_bytes
 
     report = inspect_checkpoint(resolve_model(path, revision), verify=verify, max_model_len=max_model_len,
-                                kv_cache_bytes=parse_bytes(kv_cache_bytes), strict_layout=strict_layout,
+                                kv_cache_bytes=parse_bytes(kv_cache_bytes, "--kv-cache-bytes"), strict_layout=strict_layout,
                                 recipe=recipe, tensors=tensors)
     emit(report, as_json, lambda r: render(r, out, err))
     if strict and report.problems:

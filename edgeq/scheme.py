@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from difflib import get_close_matches
 
 from edgeq.errors import EdgeqError
 
@@ -36,12 +37,9 @@ class Scheme:
     def parse(cls, text: str) -> "Scheme":
         """``Scheme.parse("w4a16-g128") == Scheme(activation_bits=16, group_size=128)``."""
         m = _PATTERN.match(text.strip().lower())
-        if not m:
-            raise EdgeqError(f"unknown scheme {text!r}; valid: {', '.join(valid_schemes())}")
-        a, g = int(m.group(1)), int(m.group(2))
-        if g not in _GROUPS[a]:
-            raise EdgeqError(f"unknown scheme {text!r}; valid: {', '.join(valid_schemes())}")
-        return cls(activation_bits=a, group_size=g)
+        if not m or int(m.group(2)) not in _GROUPS[int(m.group(1))]:
+            raise EdgeqError(unknown_choice("scheme", text, valid_schemes()))
+        return cls(activation_bits=int(m.group(1)), group_size=int(m.group(2)))
 
     def __str__(self) -> str:
         return f"w{self.weight_bits}a{self.activation_bits}-g{self.group_size}"
@@ -54,3 +52,11 @@ class Scheme:
 
 def valid_schemes() -> list[str]:
     return [f"w4a{a}-g{g}" for a in (16, 8) for g in _GROUPS[a]]
+
+
+def unknown_choice(what: str, given: str, valid: list[str] | tuple[str, ...]) -> str:
+    """``unknown scheme 'w4a16-g12'; valid: ...; did you mean 'w4a16-g128'?`` -- the closest valid spellings
+    (difflib ratio >= 0.6, compared lower-case) are suggested, as click does for command typos."""
+    close = get_close_matches(str(given).strip().lower(), list(valid), n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown {what} {given!r}; valid: {', '.join(valid)}{hint}"
