@@ -52,8 +52,9 @@ HALVES, ADJACENT = 0, 1  # block modes, as in edgeq/csrc/int4mm.h
 BLOCK_NS = (32, 64)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp")
-_HEADERS = ("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h")
+_SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp",
+            "attn_ops.cpp", "attn_decode_scalar.cpp", "attn_decode_avx2.cpp", "attn_decode_avx512.cpp")
+_HEADERS = ("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h", "attn_decode.h", "attn_decode_body.h")
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function")
 _LDFLAGS = ("-fopenmp",)
@@ -355,6 +356,32 @@ def _op(*args):
     global _op
     _op = torch.ops.edgeq.int4_mm.default
     return _op(*args)
+
+
+def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, scale: float,
+                out: torch.Tensor, *, isa: str | None = None) -> None:
+    """Single-query attention over the KV cache into ``out`` (bf16 [H, D]); the same library as :func:`int4_mm`.
+
+    ``q`` bf16 [H, D], ``keys``/``values`` the cache's bf16 [1, KVH, CAP, D] buffers read in place over positions
+    ``[start, end)``; query head h attends with kv head ``h // (H // KVH)`` (GQA). fp32 scores, softmax and sums,
+    one rounding to bf16 (edgeq/csrc/attn_decode.h has the formula and a worked example). The ISA is the process's
+    choice for :func:`int4_mm` (``EDGEQ_NATIVE_ISA``) unless ``isa`` names one for this call (tests). Raises
+    :class:`EdgeqError` when the library is unavailable or the arguments are wrong.
+    """
+    st = _state or _load()
+    if not st.available:
+        raise EdgeqError(f"native decode_attn is not available: {st.reason}")
+    try:
+        _attn_op(q, keys, values, start, end, scale, out, _ISA_CODE[st.isa] if isa is None else _isa_code(st, isa))
+    except RuntimeError as e:
+        raise EdgeqError(f"native decode_attn: {str(e).splitlines()[0]}") from e
+
+
+def _attn_op(*args):
+    """torch.ops.edgeq.decode_attn.default, looked up once."""
+    global _attn_op
+    _attn_op = torch.ops.edgeq.decode_attn.default
+    return _attn_op(*args)
 
 
 def native_command(as_json: bool = False) -> None:

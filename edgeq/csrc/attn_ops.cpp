@@ -1,0 +1,87 @@
+// Torch binding of the decode attention (attn_decode.h): checks, task split across threads, merge of the chunks.
+//
+//   torch.ops.edgeq.decode_attn(q bf16 [H, D], keys bf16 [1, KVH, CAP, D], values (same), start, end, scale,
+//                               out bf16 [H, D], isa) -> ()
+//
+// isa as for int4_mm: 0 scalar, 1 avx2, 2 avx512 (3, amx, runs the avx512 code: there is no tile work here).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "attn_decode.h"
+#include "bf16.h"
+
+namespace {
+
+using edgeq_attn::AttnArgs;
+
+void check_cache(const at::Tensor& t, const char* what, int64_t KVH, int64_t D) {
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == KVH && t.size(3) == D && t.is_contiguous() &&
+                  t.scalar_type() == at::kBFloat16,
+              what, ": expected contiguous bf16 [1, ", KVH, ", CAP, ", D, "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t end,
+                 double scale, const at::Tensor& out, int64_t isa) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q: expected contiguous bf16 [H, D], got ", q.scalar_type(), " ", q.sizes());
+  const int64_t H = q.size(0), D = q.size(1), KVH = keys.size(1);
+  check_cache(keys, "keys", KVH, D);
+  check_cache(values, "values", KVH, D);
+  TORCH_CHECK(values.size(2) == keys.size(2), "values: ", values.size(2), " positions, keys: ", keys.size(2));
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "H=", H, " query heads is not a multiple of KVH=", KVH);
+  TORCH_CHECK(0 <= start && start < end && end <= keys.size(2), "keys [", start, ", ", end, ") outside the cache of ",
+              keys.size(2), " positions");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+              "out: expected contiguous bf16 ", q.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
+  const int64_t group = H / KVH, T = end - start;
+  // Chunks of at most 256 keys, and enough tasks to give every thread some: a chunk costs a few microseconds.
+  const int64_t want = (2 * at::get_num_threads() + KVH - 1) / KVH;
+  int64_t chunk = (T + want - 1) / want;
+  chunk = chunk < 32 ? 32 : chunk > 256 ? 256 : chunk;
+  const int64_t nchunks = (T + chunk - 1) / chunk, ntasks = KVH * nchunks;
+  std::vector<float> partial(ntasks * group * (2 + D));
+  AttnArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
+             H, KVH, D, keys.size(2), start, end, chunk, static_cast<float>(scale), partial.data()};
+  at::parallel_for(0, ntasks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(group * (D + chunk) + D);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (isa >= 2) edgeq_attn::task_avx512(a, i, scratch.data());
+      else if (isa == 1) edgeq_attn::task_avx2(a, i, scratch.data());
+      else edgeq_attn::task_scalar(a, i, scratch.data());
+    }
+  });
+  // Merge the chunks of each query head h (kv head j = h / group, slot g = h % group of its tasks).
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<float> acc(D);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t j = h / group, g = h % group;
+    const float* first = partial.data() + (j * nchunks) * group * (2 + D) + g * (2 + D);
+    float M = first[0];
+    for (int64_t c = 1; c < nchunks; ++c) M = std::fmax(M, first[c * group * (2 + D)]);
+    float L = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const float* pc = first + c * group * (2 + D);
+      const float w = std::exp(pc[0] - M);
+      L += w * pc[1];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 + d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = edgeq_bf16::f32_to_bf16(acc[d] / L);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(edgeq, m) {
+  m.def("decode_attn(Tensor q, Tensor keys, Tensor values, int start, int end, float scale, Tensor(a!) out, "
+        "int isa) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("decode_attn", decode_attn); }
