@@ -43,6 +43,15 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    # the rest of what the safetensors package writes (tests/test_safetensors_compat.py); not F4/F6, whose shape
+    # counts sub-byte elements
+    "U16": (torch.uint16, 2),
+    "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8),
+    "F8_E4M3FNUZ": (torch.float8_e4m3fnuz, 1),
+    "F8_E5M2FNUZ": (torch.float8_e5m2fnuz, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
+    "C64": (torch.complex64, 8),
 }
 CODES = {dt: code for code, (dt, _) in DTYPES.items()}
 FLOAT_CODES = ("BF16", "F16", "F32")
