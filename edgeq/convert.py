@@ -592,21 +592,32 @@ BOUND_SHORT = "<= |s|/16"
 
 
 def quantization_config(manifest: Manifest, plan: Plan, layout: tinygemm.TinygemmLayout) -> dict:
+    """config.json's ``quantization_config``: edgeq's keys plus those every Hugging Face quantizer has (``bits``,
+    ``sym``, ``modules_to_not_convert``); docs/format.md maps them to GPTQ, compressed-tensors and torchao."""
+    w4a8 = convert_w4a8.is_w4a8(plan.scheme)
     return {
         "quant_method": "edgeq",
         "format_version": FORMAT_VERSION,
-        "scheme": str(plan.scheme),
+        "bits": 4,
         "group_size": plan.scheme.group_size,
+        "sym": False,  # both kernels store a zero point per (group, output row)
+        # amx_w4a8: w = (q - z) * s, z an integer 0..15; tinygemm_w4a16: w = (q - 8) * s + z, z a bf16 float
+        "zero_point_domain": "int" if w4a8 else "float",
+        "activation_bits": 8 if w4a8 else 16,
+        "scheme": str(plan.scheme),
         "method": plan.method,
         "kernel": plan.scheme.kernel,
         "layout": layout.fingerprint(),
         "head_quantized": True,
         "untied": plan.tied,
-        "modules_not_converted": sorted(manifest.modules_not_converted),
+        "modules_to_not_convert": sorted(manifest.modules_not_converted),
     }
 
 
 def _write_config(ckpt: Checkpoint, tmp: Path, plan: Plan, layout, manifest: Manifest) -> None:
+    """config.json, then the model card README.md made from it and the manifest (edgeq/card.py)."""
+    from edgeq import card
+
     config = dict(ckpt.config)
     config["tie_word_embeddings"] = False  # the head is its own quantised tensor now
     config["dtype"] = "bfloat16"
@@ -614,6 +625,7 @@ def _write_config(ckpt: Checkpoint, tmp: Path, plan: Plan, layout, manifest: Man
         config["torch_dtype"] = "bfloat16"
     config["quantization_config"] = quantization_config(manifest, plan, layout)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    card.write_card(tmp, source=card.source_name(ckpt.root))
 
 
 def _copy_aux(src: Path, dst: Path) -> None:

@@ -1072,9 +1072,12 @@ def fidelity_command(
     max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="exit 1 if mean KLD is above")] = None,
     min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="exit 1 if the same-top-1 rate is below")] = None,
     max_ppl_ratio: Annotated[Optional[float], typer.Option("--max-ppl-ratio", help="exit 1 if PPL(quant)/PPL(ref) is above")] = None,
+    save_card: Annotated[bool, typer.Option("--save-card", help="write the figures into QUANT's model card (README.md, its fidelity section; atomic)")] = False,
 ) -> None:
     """Score a quantised checkpoint against its reference (KLD, PPL ratio, top-1 agreement, ...)."""
     from rich.console import Console
+
+    from edgeq import card
 
     if not 1 <= len(models) <= 2:
         raise EdgeqError(f"fidelity: {len(models)} checkpoints given; usage: edgeq fidelity REF QUANT")
@@ -1094,6 +1097,8 @@ def fidelity_command(
             out.print(f"wrote {save_ref}: {n} positions, PPL(ref) {ppl:.4f}")
             return
         ref_path, quant_path = (None, models[0]) if len(models) == 1 else (models[0], models[1])
+        if save_card:
+            card.check_checkpoint(quant_path)  # before the run: the card describes an edgeq checkpoint
         report = run_fidelity(ref_path, quant_path, text_path=text, ctx=ctx, score=score, max_tokens=max_tokens,
                               save_ref=save_ref, ref_file=ref, per_layer=per_layer, top=top, ref_topk=ref_topk,
                               progress=update, allow_swapped=allow_swapped)
@@ -1105,6 +1110,10 @@ def fidelity_command(
         Console(stderr=True).print("interrupted: the statistics above are partial" +
                                    ("; --save-ref was not written" if save_ref else ""))
         raise typer.Exit(130)
+    if save_card:  # the figures as measured, whether or not a bound below is broken
+        reference = f"{ref} (a --save-ref file)" if ref else card.source_name(ref_path)
+        record = card.fidelity_record(report, reference=reference, text=str(text or "edgeq/data/heldout-prose.txt"))
+        Console(stderr=True).print(f"wrote the fidelity figures into {card.save_fidelity(quant_path, record)}")
     broken = broken_bounds(report, max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio)
     if broken:
         raise ThresholdError("; ".join(broken))  # the CLI prints "threshold broken: <this>", exit 1

@@ -214,7 +214,7 @@ def test_recipe_keep_is_reported(tmp_path, capsys, src):
     man = json.loads((tmp_path / "out" / "edgeq_manifest.json").read_text())
     assert man["modules_not_converted"] == {f"model.layers.{i}.mlp.down_proj": "recipe keepdown: keep_bf16 'down_proj'" for i in range(2)}
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["quantization_config"]["modules_not_converted"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    assert cfg["quantization_config"]["modules_to_not_convert"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
 
 
 def test_dry_run_reads_no_weights(tmp_path, capsys, src, monkeypatch):
