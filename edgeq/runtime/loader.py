@@ -245,12 +245,7 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
     runtime = Runtime(layout=here, counts=counts, native=native)
     foreign = not info.layout.is_compatible(here)
     if foreign and strict:
-        raise EdgeqError(
-            f"checkpoint packed for layout {info.layout.layout_hash[:12]} ({info.layout.cpu_capability}, torch "
-            f"{info.layout.torch_version}, block {info.layout.block_n}) but this machine's kernel uses "
-            f"{here.layout_hash[:12]} ({here.cpu_capability}, torch {here.torch_version}, block {here.block_n}); "
-            f"run `edgeq repack` on it, or load without --strict-layout to repack in memory"
-        )
+        raise EdgeqError(layout_refusal(info.layout, here))
     consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
     perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
     g = info.scheme.group_size
@@ -276,15 +271,28 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
             consumed.add(f"{name}.perm")
         skeleton.set_module(model, name, Int4Linear(name, qweight, sz, g, bias, runtime, perm=perm))
     if foreign:
-        warnings.warn(
-            f"REPACKED IN MEMORY: checkpoint layout {info.layout.layout_hash[:12]} ({info.layout.cpu_capability}, "
-            f"block {info.layout.block_n}) is not this machine's {here.layout_hash[:12]} ({here.cpu_capability}, "
-            f"block {here.block_n}); repacking {len(info.quantized_modules)} tensors took "
-            f"{time.perf_counter() - t0:.2f} s and {format_bytes(copied)} ({copied} bytes) of anonymous memory. "
-            f"Run `edgeq repack` once to avoid this cost.",
-            LayoutRepackWarning, stacklevel=3,
-        )
+        warnings.warn(repack_warning(info.layout, here, len(info.quantized_modules), time.perf_counter() - t0, copied),
+                      LayoutRepackWarning, stacklevel=3)
     return runtime, consumed, copied, mapped, "repacked" if foreign else "native"
+
+
+def layout_refusal(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout,
+                   strict_flag: str = "--strict-layout") -> str:
+    """The strict-layout refusal of a checkpoint packed for ``stored`` on a machine whose kernel uses ``here``
+    (shared with the vLLM plugin, whose strict setting is ``EDGEQ_STRICT_LAYOUT=1``)."""
+    return (f"checkpoint packed for layout {stored.layout_hash[:12]} ({stored.cpu_capability}, torch "
+            f"{stored.torch_version}, block {stored.block_n}) but this machine's kernel uses "
+            f"{here.layout_hash[:12]} ({here.cpu_capability}, torch {here.torch_version}, block {here.block_n}); "
+            f"run `edgeq repack` on it, or load without {strict_flag} to repack in memory")
+
+
+def repack_warning(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout, tensors: int, seconds: float,
+                   copied: int) -> str:
+    """The LayoutRepackWarning text after repacking ``tensors`` tensors in memory (also the vLLM plugin's)."""
+    return (f"REPACKED IN MEMORY: checkpoint layout {stored.layout_hash[:12]} ({stored.cpu_capability}, "
+            f"block {stored.block_n}) is not this machine's {here.layout_hash[:12]} ({here.cpu_capability}, "
+            f"block {here.block_n}); repacking {tensors} tensors took {seconds:.2f} s and {format_bytes(copied)} "
+            f"({copied} bytes) of anonymous memory. Run `edgeq repack` once to avoid this cost.")
 
 
 def _input_perm(files, name: str, k: int, perms: dict) -> torch.Tensor | None:
