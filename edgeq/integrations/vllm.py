@@ -1,0 +1,437 @@
+"""vLLM's CPU engine serving edgeq checkpoints: the ``edgeq`` quantization method (a vLLM plugin). docs/vllm.md.
+
+``pip install "edgeq[vllm]"`` declares the ``vllm.general_plugins`` entry point :func:`register`; vLLM calls it in
+every process it starts, which registers :class:`EdgeqConfig` under ``quant_method: "edgeq"``. Then
+``vllm serve OUT --dtype bfloat16`` (or ``LLM(model=OUT)``) reads an edgeq checkpoint with no code in vLLM:
+
+- :class:`EdgeqConfig` validates the checkpoint exactly as :func:`edgeq.runtime.load` does (config.json + manifest,
+  through the same readers) and compares the stored layout fingerprint with this machine's: a W4A16 checkpoint
+  packed for another layout is repacked in memory with the runtime's :class:`LayoutRepackWarning`, or refused with
+  the runtime's message when ``EDGEQ_STRICT_LAYOUT=1`` (the CLI's ``--strict-layout``).
+- :class:`EdgeqLinearMethod` serves every quantised Linear *and* the output head (``ParallelLMHead`` takes a quant
+  method); embeddings and norms stay vLLM's, over the stored bf16 tensors. Parameters have the stored names, shapes
+  and dtypes (``qweight`` + ``scales_and_zeros`` for ``tinygemm_w4a16``; ``qweight`` + ``scales`` + ``zeros`` for
+  ``amx_w4a8``), each rank's slice copied in once as stored bytes (no bf16 copy; no repack unless the layout
+  differs). The compute is the runtime's own modules over those parameters: :class:`~edgeq.runtime.qlinear.
+  Int4Linear` (edgeq's native kernel or aten's below the prefill crossover, dequantise + GEMM at and above it) and
+  :class:`~edgeq.runtime.w4a8linear.W4A8Linear` (edgeq's native W4A8 op or the portable path), wrapped in one
+  opaque torch custom op so that vLLM's torch.compile sees a single node.
+- Tensor parallel: column-parallel layers (fused QKV, gate/up, the head) split N on whole layout blocks,
+  row-parallel layers split K on whole groups (:mod:`edgeq.integrations.vllm_slices`); anything else is one error
+  naming the layer, its shape and the sizes that work.
+
+Environment: ``EDGEQ_STRICT_LAYOUT=1`` refuses a foreign layout; ``EDGEQ_PREFILL_THRESHOLD=M`` fixes the W4A16
+crossover (default: measured once per process on the largest non-head layer, as the runtime does, and cached).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+
+from edgeq.errors import EdgeqError
+from edgeq.integrations import vllm_slices as cuts
+from edgeq.layouts import tinygemm
+from edgeq.layouts import w4a8 as w4a8_layout
+from edgeq.runtime import crossover, w4a8linear
+from edgeq.runtime.loader import LayoutRepackWarning, layout_refusal, repack_warning
+from edgeq.runtime.qinfo import MANIFEST, read_json, read_quant_info
+from edgeq.runtime.qlinear import Int4Linear, Runtime, Scratch, _native
+
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.utils import set_weight_attrs
+
+NAME = "edgeq"
+ENV_STRICT = "EDGEQ_STRICT_LAYOUT"
+ENV_THRESHOLD = "EDGEQ_PREFILL_THRESHOLD"
+W4A16, W4A8 = tinygemm.KERNEL, w4a8_layout.KERNEL
+PARTS = {W4A16: ("qweight", "scales_and_zeros"), W4A8: ("qweight", "scales", "zeros")}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Importing this module registered the config; nothing else to do."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _checkpoint_dir(model: str, revision: str | None) -> Path:
+    """The local directory of ``model`` (a path, or a hub id already in the local cache)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+    return Path(snapshot_download(model, revision=revision, allow_patterns=["config.json", MANIFEST]))
+
+
+# --- per-process state (never pickled with the config) -------------------------------------------------------------
+
+
+class _Process:
+    """What one vLLM worker process shares across layers: the W4A16 runtime (layout, kernel choice, scratch,
+    threshold), the W4A8 kernel choice, the served modules by prefix, and the repack tally for the warning."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.runtime: Runtime | None = None
+        self.w4a8_choice = None
+        self.counts: Counter = Counter()
+        self.served: dict[str, _Served] = {}
+        self.created = self.processed = 0
+        self.repacked = self.repacked_bytes = 0
+        self.repack_seconds = 0.0
+
+    def w4a16_runtime(self) -> Runtime:
+        if self.runtime is None:
+            here = tinygemm.probe()
+            native = _native()
+            supported = native is not None and _supports(native, here)
+            self.runtime = Runtime(layout=here, counts=self.counts, native=native if supported else None)
+            self.runtime.prefill_threshold = None  # set by _threshold() before the first call
+        return self.runtime
+
+    def choice(self, group_size: int):
+        if self.w4a8_choice is None:
+            self.w4a8_choice = w4a8linear.choose_kernel(group_size)
+        return self.w4a8_choice
+
+
+def _supports(native, layout) -> bool:
+    try:
+        return bool(native.supports(layout))
+    except Exception:  # noqa: BLE001 - as the loader: a kernel that cannot say is not used
+        return False
+
+
+_STATE = _Process()
+
+
+@dataclass
+class _Served:
+    """One served layer: the runtime module over its parameters, and the output width vLLM expects (the padded
+    vocabulary slice for the head; the kernel computes ``n`` rows, the rest are zeros)."""
+
+    module: Any
+    n_out: int
+    head: bool
+
+
+def _threshold(rt: Runtime) -> int:
+    """The W4A16 prefill crossover: ``$EDGEQ_PREFILL_THRESHOLD``, else measured (and cached) on the largest
+    non-head layer of this process, as :func:`edgeq.runtime.load` does."""
+    if rt.prefill_threshold is None:
+        fixed = os.environ.get(ENV_THRESHOLD)
+        if fixed:
+            if not fixed.isdigit() or int(fixed) < 1:
+                raise EdgeqError(f"${ENV_THRESHOLD}={fixed!r}: expected an integer >= 1 (1 = always dequantise)")
+            rt.prefill_threshold = int(fixed)
+        else:
+            body = [s.module for s in _STATE.served.values() if isinstance(s.module, Int4Linear) and not s.head]
+            layer = max(body or [s.module for s in _STATE.served.values()], key=lambda m: m.out_features * m.in_features)
+            rt.prefill_threshold = crossover.crossover(layer, rt.decode_path)[0]
+            rt.counts.clear()
+    return rt.prefill_threshold
+
+
+@torch.library.custom_op("edgeq_vllm::linear", mutates_args=())
+def _linear(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [..., n_out] for the served layer ``key`` (its prefix): opaque to torch.compile."""
+    served = _STATE.served[key]
+    m = served.module
+    if isinstance(m, Int4Linear):
+        _threshold(m.runtime)
+    m.bias = bias  # vLLM passes the layer's bias (None with skip_bias_add); the module adds it as the runtime does
+    y = m.forward(x)
+    if served.n_out > m.out_features:
+        y = torch.nn.functional.pad(y, (0, served.n_out - m.out_features))
+    return y
+
+
+@_linear.register_fake
+def _linear_shape(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _STATE.served[key].n_out)
+
+
+# --- the config ----------------------------------------------------------------------------------------------------
+
+
+@register_quantization_config(NAME)
+class EdgeqConfig(QuantizationConfig):
+    """``quant_method: "edgeq"``: config.json's quantization_config, completed by the checkpoint's manifest."""
+
+    def __init__(self, qc: dict):
+        super().__init__()
+        self.qc = dict(qc)
+        self.kernel = str(qc.get("kernel", W4A16))
+        if self.kernel not in PARTS:
+            raise EdgeqError(f"quantization_config.kernel {self.kernel!r} is not one this edgeq serves ({', '.join(PARTS)})")
+        self.group_size = int(qc.get("group_size", 128))
+        self.stored: tinygemm.TinygemmLayout | None = None  # the W4A16 checkpoint's layout (manifest)
+        self.not_converted: frozenset[str] = frozenset()
+        self.head_name = "lm_head"
+
+    def __repr__(self) -> str:
+        return f"EdgeqConfig(kernel={self.kernel}, group_size={self.group_size})"
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]  # the kernels' activation type, as edgeq.runtime.load insists
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # a CPU method: no GPU capability needed (vLLM does not ask on CPU)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return [MANIFEST]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "EdgeqConfig":
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Read and validate the checkpoint as the runtime does; check the layout fingerprint against this machine."""
+        directory = _checkpoint_dir(model_name, revision)
+        config = read_json(directory / "config.json")
+        w4 = w4a8linear.read_info(directory, config)  # the W4A8 record is fixed by the kernel: refused if different
+        info = w4 or read_quant_info(directory, config)
+        if info is None:
+            raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
+        if _perm_modules(directory):
+            raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
+                             "re-quantise without --act-order, or serve it with `edgeq serve`")
+        self.kernel, self.group_size = info.kernel, info.scheme.group_size
+        self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
+        self.head_name = info.head_name
+        if w4 is None:
+            self.stored = info.layout
+            layout_check(info.layout, tinygemm.probe(), strict=_flag(ENV_STRICT))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, ParallelLMHead):
+            return EdgeqLinearMethod(self, prefix)
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings and everything else: vLLM's own methods over the stored bf16 tensors
+        names = self._checkpoint_names(prefix)
+        kept = [n for n in names if n in self.not_converted]
+        if kept and len(kept) == len(names):
+            return UnquantizedLinearMethod()
+        if kept:
+            raise EdgeqError(f"{prefix}: vLLM fuses {', '.join(names)} but the checkpoint kept only {', '.join(kept)} "
+                             "in bf16; re-quantise with all or none of them kept")
+        return EdgeqLinearMethod(self, prefix)
+
+    def _checkpoint_names(self, prefix: str) -> list[str]:
+        """The checkpoint modules a vLLM layer holds (``qkv_proj`` -> q/k/v_proj, via the model's mapping)."""
+        head, _, last = prefix.rpartition(".")
+        subs = self.packed_modules_mapping.get(last)
+        return [f"{head}.{s}" if head else s for s in subs] if subs else [prefix]
+
+
+def _perm_modules(directory: Path) -> list:
+    return list(read_json(directory / MANIFEST).get("perm_modules") or [])
+
+
+def layout_check(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout, *, strict: bool) -> bool:
+    """True when the checkpoint must be repacked for ``here``; under ``strict`` a foreign layout is the runtime's
+    refusal (:func:`edgeq.runtime.loader.layout_refusal`)."""
+    foreign = not stored.is_compatible(here)
+    if foreign and strict:
+        raise EdgeqError(layout_refusal(stored, here, f"{ENV_STRICT}=1"))
+    return foreign
+
+
+# --- the linear method ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where this rank's part of a layer lies: global logical output sizes, the fused shard this rank's rows start
+    at, and (row-parallel) its input range."""
+
+    sizes: list[int]
+    k: int
+    k_range: tuple[int, int]
+    row_parallel: bool
+    tp: int
+    rank: int
+
+
+def _geometry(layer, input_size: int, k_local: int) -> _Geometry:
+    if isinstance(layer, ParallelLMHead):
+        tp, rank = layer.tp_size, layer.tp_rank
+        return _Geometry([layer.num_embeddings_padded], input_size, (0, input_size), False, tp, rank)
+    tp, rank = (1, 0) if isinstance(layer, ReplicatedLinear) else (layer.tp_size, layer.tp_rank)
+    if isinstance(layer, RowParallelLinear):
+        return _Geometry([layer.output_size], input_size, (rank * k_local, (rank + 1) * k_local), True, tp, rank)
+    sizes = list(getattr(layer, "output_sizes", None) or [layer.output_size])
+    return _Geometry(sizes, input_size, (0, input_size), False, tp, rank)
+
+
+class EdgeqLinearMethod(LinearMethodBase):
+    """One quantised layer (a Linear of any parallel kind, or the head) over the stored packed tensors."""
+
+    def __init__(self, config: EdgeqConfig, prefix: str):
+        self.config = config
+        self.prefix = prefix
+
+    # creation ------------------------------------------------------------------------------------------------------
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int], input_size: int,
+                       output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        cfg, g = self.config, self.config.group_size
+        geo = _geometry(layer, input_size, input_size_per_partition)
+        block = self._block_n()
+        cuts.check_split(self.prefix, geo.sizes, geo.k, geo.tp, row_parallel=geo.row_parallel, block_n=block,
+                         group_size=g)
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        for name, shape, dtype in self._shapes(n, k):
+            p = Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, {"weight_loader": self._loader(layer, name, geo, output_partition_sizes)})
+        layer.edgeq_key = self.prefix
+        with _STATE.lock:
+            _STATE.created += 1
+
+    def _block_n(self) -> int:
+        if self.config.kernel == W4A8:
+            return cuts.W4A8_BLOCK_N
+        here = tinygemm.probe().block_n
+        return max(here, self.config.stored.block_n) if self.config.stored else here
+
+    def _shapes(self, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The stored tensors of an [n, k] slice (docs/format.md, docs/w4a8.md)."""
+        g = self.config.group_size
+        if self.config.kernel == W4A16:
+            return [("qweight", (n, k // 2), torch.uint8), ("scales_and_zeros", (k // g, n, 2), torch.bfloat16)]
+        bk = w4a8_layout.block_k(g)
+        nb = n // cuts.W4A8_BLOCK_N
+        return [("qweight", (nb, k // bk, bk * 16 + 128), torch.uint8), ("scales", (nb, k // g, 32), torch.float32),
+                ("zeros", (nb, k // g, 32), torch.int8)]
+
+    # loading -------------------------------------------------------------------------------------------------------
+
+    def _loader(self, layer, name: str, geo: _Geometry, partition_sizes: list[int]):
+        def load(param: Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            self._load(layer, name, geo, partition_sizes, param, loaded, shard_id)
+        return load
+
+    def _rows(self, layer, geo: _Geometry, partition_sizes: list[int], shard_id) -> tuple[int, int, int, int]:
+        """(destination row offset, source rows a..b, global rows of the source tensor) for one loaded tensor."""
+        if isinstance(layer, ParallelLMHead):
+            s = layer.shard_indices
+            return 0, s.org_vocab_start_index, s.org_vocab_end_index, layer.org_vocab_size
+        if isinstance(layer, QKVParallelLinear) and shard_id in ("q", "k", "v"):
+            size = layer._get_shard_size_mapping(shard_id)
+            shard_rank = geo.rank if shard_id == "q" else geo.rank // layer.num_kv_head_replicas
+            total = {"q": layer.total_num_heads * layer.head_size, "k": layer.total_num_kv_heads * layer.head_size,
+                     "v": layer.total_num_kv_heads * layer.v_head_size}[shard_id]
+            return layer._get_shard_offset_mapping(shard_id), shard_rank * size, (shard_rank + 1) * size, total
+        if isinstance(layer, MergedColumnParallelLinear) and isinstance(shard_id, int):
+            size = partition_sizes[shard_id]
+            return sum(partition_sizes[:shard_id]), geo.rank * size, (geo.rank + 1) * size, geo.sizes[shard_id]
+        if shard_id is not None or len(partition_sizes) > 1:
+            raise EdgeqError(f"{self.prefix}: the checkpoint stores this fused layer as one tensor (shard {shard_id!r}); "
+                             "the vLLM plugin reads fused layers from their separate modules only")
+        if geo.row_parallel:
+            return 0, 0, geo.sizes[0], geo.sizes[0]
+        size = partition_sizes[0]
+        return 0, geo.rank * size, (geo.rank + 1) * size, geo.sizes[0]
+
+    def _load(self, layer, name: str, geo: _Geometry, partition_sizes, param, loaded, shard_id) -> None:
+        off, a, b, n_src = self._rows(layer, geo, partition_sizes, shard_id)
+        where = f"{self.prefix}.{name}" + (f" (shard {shard_id})" if shard_id is not None else "")
+        if loaded.dtype != param.dtype or loaded.dim() != param.dim():
+            raise EdgeqError(f"{where}: stored {loaded.dtype} {list(loaded.shape)}, expected {param.dtype} with "
+                             f"{param.dim()} dims (docs/format.md); re-quantise the checkpoint")
+        g, cols = self.config.group_size, geo.k_range
+        rows = b - a
+        if self.config.kernel == W4A8:
+            got_n = loaded.shape[0] * cuts.W4A8_BLOCK_N
+            self._check_source(where, got_n, n_src)
+            dst = param.data[off // cuts.W4A8_BLOCK_N : (off + rows) // cuts.W4A8_BLOCK_N]
+            dst.copy_(cuts.w4a8_cut(name, loaded, (a, b), cols, g))
+        elif name == "scales_and_zeros":
+            self._check_source(where, loaded.shape[1], n_src)
+            param.data[:, off : off + rows].copy_(cuts.scales_and_zeros_cut(loaded, (a, b), cols, g))
+        else:
+            self._check_source(where, loaded.shape[0], n_src)
+            self._load_qweight(param.data[off : off + rows], loaded, n_src, geo.k, (a, b), cols)
+
+    def _check_source(self, where: str, got: int, want: int) -> None:
+        if got != want:
+            raise EdgeqError(f"{where}: the stored tensor has {got} output rows but config.json implies {want}; "
+                             "the checkpoint does not match its config")
+
+    def _load_qweight(self, dst, loaded, n: int, k: int, rows, cols) -> None:
+        stored, rt = self.config.stored, _STATE.w4a16_runtime()
+        if stored is None or stored.is_compatible(rt.layout):
+            cuts.copy_tinygemm(dst, loaded, n, k, rows, cols, stored or rt.layout)
+            return
+        t0 = time.perf_counter()
+        dst.copy_(cuts.tinygemm_cut(loaded, n, k, rows, cols, stored, rt.layout))
+        with _STATE.lock:
+            _STATE.repacked += 1
+            _STATE.repacked_bytes += dst.numel()
+            _STATE.repack_seconds += time.perf_counter() - t0
+
+    # after loading -------------------------------------------------------------------------------------------------
+
+    def process_weights_after_loading(self, layer) -> None:
+        head = isinstance(layer, ParallelLMHead)
+        n_out = layer.qweight.shape[0] * (cuts.W4A8_BLOCK_N if self.config.kernel == W4A8 else 1)
+        n = (layer.shard_indices.org_vocab_end_index - layer.shard_indices.org_vocab_start_index) if head else n_out
+        module = self._module(layer, n)
+        with _STATE.lock:
+            _STATE.served[self.prefix] = _Served(module, n_out, head)
+            _STATE.processed += 1
+            done = _STATE.processed == _STATE.created
+        if done and _STATE.repacked:
+            warnings.warn(repack_warning(self.config.stored, _STATE.w4a16_runtime().layout, _STATE.repacked,
+                                         _STATE.repack_seconds, _STATE.repacked_bytes), LayoutRepackWarning,
+                          stacklevel=2)
+
+    def _module(self, layer, n: int):
+        """The runtime's module over this rank's parameters (the first ``n`` rows; the head's padding excluded)."""
+        g = self.config.group_size
+        if self.config.kernel == W4A8:
+            nb = n // cuts.W4A8_BLOCK_N
+            return w4a8linear.W4A8Linear(self.prefix, layer.qweight.data[:nb], layer.scales.data[:nb],
+                                         layer.zeros.data[:nb], g, None, _STATE.counts, _STATE.choice(g))
+        rt = _STATE.w4a16_runtime()
+        sz = layer.scales_and_zeros.data
+        if n < sz.shape[1]:
+            sz = sz[:, :n].contiguous()  # the kernel reads [K/G, n, 2] densely; only the head's padding is dropped
+        module = Int4Linear(self.prefix, layer.qweight.data[:n], sz, g, None, rt)
+        with _STATE.lock:
+            if rt.scratch is None or rt.scratch.elems < module.scratch_elems:
+                rt.scratch = Scratch(module.scratch_elems)
+        return module
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.edgeq_vllm.linear(x, layer.edgeq_key, bias)
+
+
