@@ -1,0 +1,218 @@
+"""The CLI keeps its promises: every default in --help, --version, --json on generate/serve/repack, one error format.
+
+Everything runs through the real entry point (``edgeq.cli.main``, or ``python -m edgeq.cli`` for the server).
+"""
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+
+from edgeq import __version__, cli
+
+FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
+
+
+def run(args, capsys):
+    """(exit code, stdout, stderr) of ``edgeq ARGS``."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(map(str, args)))
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())  # help is wrapped to the terminal width
+
+
+def commands():
+    cli._register_edges()
+    return typer.main.get_command(cli.app).commands
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("quantize", ["Output directory [default: MODEL-<scheme>]",
+                  "calibration text [default: the bundled edgeq/data/calib-prose.txt]",
+                  "calibration windows [default: 128]", "[default: 0.01]", "e.g. 2GiB, 500MB. [default: 2GiB]"]),
+    ("generate", ["[default: 64]", "0 = greedy. [default: 0.0]", "[default: random]", "[default: 256MiB]",
+                  "[default: torch's default, one per physical core]"]),
+    ("serve", ["[default: 127.0.0.1]", "[default: 8000]", "[default: 1MiB]", "[default: 8]",
+               "[default: the checkpoint directory's name]"]),
+    ("demo", ["[default: w4a16-g128]", "[default: 32]", "[default: 4096]"]),
+])
+def test_help_shows_the_defaults(command, expected, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    for text in expected:
+        assert text in flat(out), text
+
+
+@pytest.mark.parametrize("command", ["quantize", "recipes", "generate", "serve", "repack", "demo", "native",
+                                     "inspect", "bench", "route", "fidelity"])
+def test_help_is_click_style_and_no_default_vanishes(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    text = flat(out)
+    assert not re.search(r" \.( |$)", text)  # "calibration text ." is the trace of a [default: ...] eaten as markup
+    for internal in ("<str>", "<int>", "<bool>", "<path>", "<float>", "<list", "{"):
+        assert internal not in text, internal
+    cmd = commands()[command]
+    ctx = cmd.make_context(command, ["--help"], resilient_parsing=True)
+    for p in cmd.params:  # every option that has a value by default says which
+        if isinstance(p, typer.core.TyperOption) and not p.is_flag and p.default not in (None, [], ()):
+            assert "default:" in p.get_help_record(ctx)[1], p.opts
+
+
+def test_help_names_types_and_arguments_as_click_does(capsys):
+    _, out, _ = run(["generate", "--help"], capsys)
+    assert "Usage: edgeq generate [OPTIONS] MODEL PROMPT" in out
+    assert "--max-tokens INTEGER" in out and "--temperature FLOAT" in out and "--stop TEXT" in out
+    _, out, _ = run(["quantize", "--help"], capsys)
+    assert "-o, --output PATH" in out
+
+
+def test_version_is_one_line_with_versions_and_kernel_state(capsys):
+    from importlib.metadata import version
+
+    code, out, err = run(["--version"], capsys)
+    assert code == 0 and err == ""
+    assert out.count("\n") == 1
+    assert out.startswith(f"edgeq {__version__}, torch {torch.__version__}, transformers {version('transformers')}; ")
+    assert "native kernels: w4a16 " in out and ", w4a8 " in out
+    assert all(state in ("built", "not built yet (`edgeq native`)")
+               for state in (out.split("w4a16 ")[1].split(", w4a8")[0], out.split("w4a8 ")[1].strip()))
+
+
+def test_generate_json_is_one_record_and_nothing_else(capsys):
+    code, out, err = run(["generate", FIXTURE, "The module", "--max-tokens", "6", "--json"], capsys)
+    assert code == 0
+    assert err == ""  # no load line, no speed line
+    record = json.loads(out)  # the whole stdout: no streamed text before it
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    assert 1 <= len(record["token_ids"]) <= 6
+    assert record["text"] == tok.decode(record["token_ids"], skip_special_tokens=True)
+    assert record["prompt_tokens"] == len(tok("The module")["input_ids"])
+    assert record["finish_reason"] in ("stop", "length")
+    t = record["timings"]
+    assert t["load_s"] > 0 and t["prefill_s"] > 0 and t["prefill_tokens_per_s"] > 0
+    paths = record["paths"]
+    assert paths["scheme"] == "bf16" and paths["prefill_crossover"] is None
+    assert sum(paths["calls"].values()) > 0 and sum(paths["loop_calls"].values()) == len(record["token_ids"])
+
+
+def test_generate_streams_text_and_bf16_names_no_crossover(capsys):
+    code, out, err = run(["generate", FIXTURE, "The module", "--max-tokens", "4"], capsys)
+    assert code == 0 and out.strip()
+    assert "prefill bf16," in err and "None" not in err
+    code, out2, err = run(["generate", FIXTURE, "The module", "--max-tokens", "4", "-q"], capsys)
+    assert code == 0 and out2 == out and err == ""  # greedy: the same text; -q: nothing on stderr
+
+
+def test_serve_json_startup_line(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "serve", str(FIXTURE), "--host", "127.0.0.1",
+                             "--port", "0", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready, "no startup line within 300 s"
+        record = json.loads(proc.stdout.readline())
+        assert record["event"] == "listening" and record["host"] == "127.0.0.1" and record["port"] > 0
+        assert record["url"] == f"http://127.0.0.1:{record['port']}" and record["pid"] == proc.pid
+        assert record["scheme"] == "bf16" and record["model_name"] == "tiny-prose"
+        # the socket was bound before the line was printed: the server answers at once
+        with urllib.request.urlopen(f"{record['url']}/health", timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["model"] == "tiny-prose"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.stdout.read() == ""  # nothing after the startup line (no access log on stdout)
+
+
+def test_serve_port_in_use_names_the_flag(capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, out, err = run(["serve", FIXTURE, "--port", port, "--json"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("error: --host 127.0.0.1 --port") and "--port 0 picks a free one" in err
+
+
+def test_repack_json_summary(fixture_quantized, tmp_path, capsys):
+    out_dir = tmp_path / "repacked"
+    code, out, err = run(["repack", fixture_quantized, "-o", out_dir, "--json"], capsys)
+    assert code == 0
+    r = json.loads(out)
+    assert r["path"] == str(out_dir.resolve()) and (out_dir / "config.json").exists()
+    assert set(r) >= {"changed", "tensors", "bytes_repacked", "seconds", "old_layout_hash", "new_layout_hash"}
+    assert r["changed"] is False  # packed on this machine: the layout already matches
+
+
+@pytest.mark.parametrize("args, message", [
+    (["quantiz"], "error: No such command 'quantiz'. Did you mean 'quantize'? (see 'edgeq --help')"),
+    (["quantize", "m", "--sceme", "w4a16-g128"], "error: No such option: --sceme. Did you mean '--scheme'"),
+    (["generate"], "error: Missing argument 'MODEL' (see 'edgeq generate --help')"),
+    (["generate", "m", "p", "--max-tokens", "x"], "error: Invalid value for '--max-tokens'"),
+])
+def test_usage_errors_look_like_edgeq_errors(args, message, capsys):
+    code, out, err = run(args, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1  # one line, as for an EdgeqError
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scheme", "w4a16-g12"], "error: unknown scheme 'w4a16-g12'; valid: "),
+    (["--method", "gtpq"], "error: unknown --method 'gtpq'; valid: "),
+])
+def test_scheme_and_method_typos_suggest_the_name(args, message, capsys):
+    code, out, err = run(["quantize", FIXTURE, "--dry-run", *args], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1
+    assert err.rstrip().endswith("did you mean 'w4a16-g128' or 'w4a16-g32'?" if "scheme" in message
+                                 else "did you mean 'gptq'?")
+
+
+def test_scheme_suggestion_only_when_close():
+    from edgeq.errors import EdgeqError
+    from edgeq.scheme import Scheme
+
+    with pytest.raises(EdgeqError, match=r"did you mean 'w4a16-g128'"):
+        Scheme.parse("w4a16g128")
+    with pytest.raises(EdgeqError) as e:
+        Scheme.parse("int4")
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", FIXTURE, "hi", "--kv-cache-bytes", "12XB"], "--kv-cache-bytes"),
+    (["serve", FIXTURE, "--max-body-bytes", "1 MiBs"], "--max-body-bytes"),
+    (["quantize", FIXTURE, "--dry-run", "--max-shard-size", "12XB"], "--max-shard-size"),
+    (["inspect", FIXTURE, "--kv-cache-bytes", "12XB"], "--kv-cache-bytes"),
+])
+def test_bad_size_names_its_flag(args, flag, capsys):
+    code, out, err = run(args, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: {flag}: cannot read ") and "as a byte size; use e.g. 256MiB" in err
+
+
+@pytest.mark.slow
+def test_demo_reports_progress_and_labels_single_shot_speeds(capsys):
+    code, out, err = run(["demo", "--max-tokens", "4", "--fidelity-tokens", "256"], capsys)
+    assert code == 0
+    steps = [line for line in err.splitlines() if line.startswith("[")]
+    assert [s[:5] for s in steps] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"]
+    assert "warm up" in steps[3] and "(timed)" in steps[4] and "window 1/" in err
+    assert "single shot: one timed generation after one untimed warm-up" in out
+    assert "s (one run)" in out
