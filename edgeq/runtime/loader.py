@@ -60,6 +60,8 @@ class RuntimeSettings:
     path_note: str = ""  # why this path runs when a choice was made at load (W4A8: compiled kernel or portable)
     decode_loop: str = "transformers"  # "lean" (edgeq's own decode step) | "transformers" (the model's forward)
     decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
+    decode_attention: str = "n/a"  # the lean decoder's attention: "native" | "sdpa" (n/a without the lean loop)
+    decode_attention_reason: str = ""
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
 
@@ -130,12 +132,14 @@ class LoadedModel:
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
          prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-         decode_loop: str | None = None) -> LoadedModel:
+         decode_loop: str | None = None, decode_attention: str | None = None) -> LoadedModel:
     """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md.
 
     ``decode_loop``: "auto" (default; also ``$EDGEQ_DECODE_LOOP``) runs the lean decoder when the family is
     supported, "lean" insists on it (an error naming the reason if it cannot run), "transformers" keeps the model's
-    forward for every token (the comparison arm)."""
+    forward for every token (the comparison arm). ``decode_attention``: the lean decoder's single-query attention,
+    "auto" (default; also ``$EDGEQ_DECODE_ATTN``: edgeq's native kernel where it runs), "native" or "sdpa" (torch's,
+    bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.attention_choice`."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
@@ -176,7 +180,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         xover, source = _crossover(runtime, quantized, info, prefill_threshold)
         runtime.prefill_threshold = xover
         counts.clear()
-    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts)
+    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts, decode_attention)
     fused_mlps = fused.fuse_mlps(model)
     settings = RuntimeSettings(
         quantized=bool(info),
@@ -201,6 +205,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         path_note=w4set.get("w4a8_kernel", ""),
         decode_loop=loop_used,
         decode_loop_reason=loop_reason,
+        decode_attention=decoder.attention if decoder is not None else "n/a",
+        decode_attention_reason=decoder.attention_reason if decoder is not None else "",
         lean_bytes=decoder.owned_bytes if decoder is not None else 0,
         fused_mlps=fused_mlps,
     )
@@ -220,7 +226,7 @@ def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
     return choice, source
 
 
-def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts):
+def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts, attention: str | None):
     """(LeanDecoder or None, "lean" | "transformers", reason)."""
     choice, source = loop
     if choice == "transformers":
@@ -230,7 +236,7 @@ def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, co
         if choice == "lean":
             raise EdgeqError(f"{source}=lean: {why_not}; use 'auto' or 'transformers'")
         return None, "transformers", f"{why_not}; decoding through transformers"
-    decoder = lean.LeanDecoder(model, config, cache, max_model_len, counts)
+    decoder = lean.LeanDecoder(model, config, cache, max_model_len, counts, attention)
     return decoder, "lean", f"{config.model_type}: edgeq's decode step over the loaded modules and the static cache"
 
 

@@ -1,0 +1,187 @@
+"""transformers' from_pretrained on edgeq checkpoints after ``import edgeq`` (edgeq/integrations/transformers.py):
+edgeq's modules over the mapped file, the same greedy tokens as edgeq.runtime.load, on both kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.integrations import EdgeqIntegrationWarning, _state, register_transformers
+from edgeq.scheme import Scheme
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ("Once upon a time", "The function returns a list of")
+KERNEL_MODULE = {"w4a16-g128": "Int4Linear", "w4a8-g128": "W4A8Linear"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(fixture_model, tmp_path_factory) -> dict[str, Path]:
+    """The bundled model quantised by edgeq with both schemes (the tinygemm_w4a16 and amx_w4a8 kernels)."""
+    from edgeq.convert import convert
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for scheme in KERNEL_MODULE:
+        out[scheme] = root / scheme
+        convert(fixture_model, out[scheme], scheme=Scheme.parse(scheme))
+    return out
+
+
+def _from_pretrained(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path))
+
+
+def _mapped_file(ptr: int) -> str | None:
+    """The file whose mapping holds address ``ptr`` in this process (None: anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("scheme", list(KERNEL_MODULE))
+def test_generate_matches_edgeq_runtime(checkpoints, scheme):
+    from transformers import AutoTokenizer
+
+    from edgeq.runtime import SamplingParams, generate, load
+
+    path = checkpoints[scheme]
+    model = _from_pretrained(path)
+    manifest = json.loads((path / "edgeq_manifest.json").read_text())
+    for name in manifest["quantized_modules"]:
+        assert type(model.get_submodule(name)).__name__ == KERNEL_MODULE[scheme], name
+    tok = AutoTokenizer.from_pretrained(str(path))
+    lm = load(path)
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            hf = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+        ours = generate(lm, prompt, SamplingParams(max_tokens=16)).token_ids
+        assert len(hf) == 16 and hf == ours, (prompt, hf, ours)
+    counts = model.edgeq.path_counts
+    assert counts and "bf16" not in counts  # every projection and the head ran an edgeq path
+    assert set(counts) <= {"native_decode", "tinygemm_decode", "dequant_prefill", "w4a8_kernel", "w4a8_portable"}
+    assert model.edgeq.kernel == manifest["kernel"] and model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("scheme", list(KERNEL_MODULE))
+def test_quantised_modules_view_the_mapped_file(checkpoints, scheme):
+    path = checkpoints[scheme]
+    model = _from_pretrained(path)
+    shard = str((path / "model.safetensors").resolve())
+    quantised = [m for m in model.modules() if getattr(m, "edgeq_quantized", False)]
+    assert len(quantised) == 4 * 7 + 1
+    for m in quantised:
+        assert not hasattr(m, "weight"), m.name  # no bf16 weight exists for a quantised module
+        packed = [m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16") else [m.qweight, m.scales, m.zeros]
+        for t in packed:
+            assert _mapped_file(t.data_ptr()) == shard, m.name
+    assert model.edgeq.copied_bytes == 0 and model.edgeq.layout == "native"
+    assert model.edgeq.mapped_bytes == sum(t.numel() * t.element_size() for m in quantised for t in
+                                           ([m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16")
+                                            else [m.qweight, m.scales, m.zeros]))
+
+
+def test_checkpoint_with_todays_keys_still_loads(checkpoints, tmp_path):
+    """A config.json written before bits/sym/modules_to_not_convert existed loads the same."""
+    old = tmp_path / "old"
+    shutil.copytree(checkpoints["w4a16-g128"], old)
+    cfg = json.loads((old / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    for key in ("bits", "sym", "zero_point_domain", "activation_bits"):
+        del qc[key]
+    qc["modules_not_converted"] = qc.pop("modules_to_not_convert")
+    (old / "config.json").write_text(json.dumps(cfg))
+    model = _from_pretrained(old)
+    assert type(model.lm_head).__name__ == "Int4Linear"
+    qc = model.config.quantization_config
+    assert (qc.bits, qc.sym, qc.modules_to_not_convert) == (4, False, [])
+    assert not hasattr(qc, "modules_not_converted")
+
+
+def test_missing_manifest_is_an_error_naming_it(checkpoints, tmp_path):
+    broken = tmp_path / "no-manifest"
+    shutil.copytree(checkpoints["w4a16-g128"], broken)
+    (broken / "edgeq_manifest.json").unlink()
+    with pytest.raises(EdgeqError, match=r"no-manifest: no edgeq_manifest.json next to the weights"):
+        _from_pretrained(broken)
+
+
+def test_config_rejects_other_bits_and_reads_legacy_keys():
+    from edgeq.integrations.transformers import EdgeqConfig
+
+    cfg = EdgeqConfig.from_dict({"quant_method": "edgeq", "format_version": 1, "scheme": "w4a16-g128",
+                                 "modules_not_converted": ["model.layers.0.mlp.down_proj"]})
+    assert cfg.modules_to_not_convert == ["model.layers.0.mlp.down_proj"] and cfg.bits == 4 and cfg.sym is False
+    assert cfg.to_dict()["scheme"] == "w4a16-g128"
+    with pytest.raises(ValueError, match="bits 8: edgeq checkpoints store 4-bit weights"):
+        EdgeqConfig.from_dict({"quant_method": "edgeq", "bits": 8})
+
+
+def test_quantizer_refuses_gpu_and_on_the_fly_quantisation():
+    from edgeq.integrations.transformers import EdgeqConfig, EdgeqHfQuantizer
+
+    q = EdgeqHfQuantizer(EdgeqConfig(), pre_quantized=True)
+    q.validate_environment(device_map=None)
+    q.validate_environment(device_map={"": "cpu"})
+    with pytest.raises(ValueError, match=r"places \['cuda:0'\] off the CPU"):
+        q.validate_environment(device_map={"model": "cpu", "lm_head": "cuda:0"})
+    with pytest.raises(ValueError, match="run `edgeq quantize MODEL -o OUT`"):
+        EdgeqHfQuantizer(EdgeqConfig(), pre_quantized=False).validate_environment(device_map=None)
+    assert q.update_dtype(torch.float32) == torch.bfloat16 and not q.is_serializable()
+
+
+def test_registration_failure_is_one_warning(monkeypatch):
+    """A transformers whose registry refuses edgeq: import never fails, one warning says what to use instead."""
+    from edgeq.integrations import transformers as integration
+
+    def refuse():
+        raise ValueError("Quantizer 'edgeq' already registered")
+
+    monkeypatch.setattr(integration, "register", refuse)
+    monkeypatch.setitem(_state, "registered", False)
+    monkeypatch.setitem(_state, "warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert register_transformers() is False
+        assert register_transformers() is False
+    msgs = [str(w.message) for w in caught if issubclass(w.category, EdgeqIntegrationWarning)]
+    assert len(msgs) == 1 and "Use edgeq.runtime.load(path) instead" in msgs[0] and "already registered" in msgs[0]
+
+
+def test_import_edgeq_is_cheap_and_registers_in_either_order():
+    r = _run("import sys, edgeq; assert 'transformers' not in sys.modules, 'import edgeq imported transformers'\n"
+             "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; print(m['edgeq'].__name__)")
+    assert r.returncode == 0 and r.stdout.strip() == "EdgeqHfQuantizer", r.stderr
+    r = _run("import transformers.quantizers.auto as a, edgeq; print(a.AUTO_QUANTIZATION_CONFIG_MAPPING['edgeq'].__name__)")
+    assert r.returncode == 0 and r.stdout.strip() == "EdgeqConfig", r.stderr
+
+
+def test_without_import_edgeq_transformers_skips_the_quantization(checkpoints):
+    """What the docs and the model card warn about: transformers alone cannot load an edgeq checkpoint."""
+    code = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(checkpoints['w4a16-g128'])!r})\n"
+            "assert 'edgeq' not in sys.modules\nprint(type(m.lm_head).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TRANSFORMERS_VERBOSITY": "warning"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "Linear"  # random weights, not edgeq's module
+    assert "Unknown quantization type, got edgeq" in r.stderr
+
