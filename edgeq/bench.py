@@ -801,16 +801,17 @@ def bench_command(
     method: Optional[str] = typer.Option(None, "--method", help="Conversion mode: method [default: the recipe's]."),
     timeout: float = typer.Option(3600.0, "--timeout", help="Seconds before a pass is killed (and counts as failed)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (schema: docs/methodology.md)."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No per-pass progress lines on stderr."),
 ) -> None:
     """Measure speed and memory: fresh process per pass, interleaved arms, medians with spread, verified paths."""
-    from edgeq.cli import err, out
+    from edgeq.cli_output import err, out, write
 
-    say = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/dim]", highlight=False))
+    say = None if as_json or quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]", highlight=False))
     if convert is not None:
         if checkpoint is not None or vs is not None or vs_gguf is not None:
             raise EdgeqError("--convert MODEL measures a conversion; give no CHECKPOINT, --vs or --vs-gguf with it")
         r = run_convert(str(resolve_model(convert, revision)), scheme, method, passes, timeout_s=timeout, progress=say)
-        typer.echo(to_json(r)) if as_json else render_convert(r, out, err)
+        write(to_json(r) + "\n") if as_json else render_convert(r, out, err)
         if r.failures:
             raise typer.Exit(1)
         return
@@ -842,6 +843,6 @@ def bench_command(
     report = run_bench(arms, cfg, progress=say)
     if skipped:
         report = replace(report, notes=report.notes + (skipped,))
-    typer.echo(to_json(report)) if as_json else render(report, out, err)
+    write(to_json(report) + "\n") if as_json else render(report, out, err)
     if not report.ok:
         raise typer.Exit(1)

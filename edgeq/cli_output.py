@@ -1,7 +1,8 @@
 """Everything edgeq's commands print goes through here.
 
 - results on stdout: :func:`emit` (a dataclass or dict, as JSON or through a human renderer), :func:`emit_line` (one
-  compact JSON line, e.g. ``serve --json``'s startup record), :func:`write` (raw streamed text, e.g. ``generate``);
+  compact JSON line, e.g. ``serve --json``'s startup record), :func:`line` (a plain text line), :func:`write` (raw
+  streamed text, e.g. ``generate``);
 - progress and notes on stderr: :func:`say` (silent under ``-q/--quiet`` and ``--json``), :data:`err`;
 - failures on stderr: :func:`error`, one ``error: ...`` line for edgeq's own errors and click's usage errors alike.
 
@@ -40,6 +41,11 @@ def emit(value, as_json: bool, render=None) -> None:
 def emit_line(value) -> None:
     """One compact JSON object on one stdout line (a record a reader can take with ``readline``)."""
     write(json.dumps(to_plain(value), default=str) + "\n")
+
+
+def line(text: str) -> None:
+    """One plain result line on stdout, printed as given (no rich markup, no highlighting)."""
+    out.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def write(text: str) -> None:

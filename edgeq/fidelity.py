@@ -1040,13 +1040,18 @@ def render(report: FidelityReport, top: Optional[int] = None):
     return Group(t, lt)
 
 
-def _progress_bar():
-    """A rich progress bar on stderr and the callback that drives it."""
-    from rich.console import Console
+def _progress_bar(quiet: bool = False):
+    """A rich progress bar on stderr and the callback that drives it (``quiet``: neither)."""
+    from contextlib import nullcontext
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
+    from edgeq.cli_output import err
+
+    if quiet:
+        return nullcontext(), None
     bar = Bar(TextColumn("fidelity windows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-              console=Console(stderr=True), transient=True)
+              console=err, transient=True)
     task = bar.add_task("windows", total=None)
 
     def update(done: int, total: int, eta: Optional[float]) -> None:
@@ -1073,19 +1078,18 @@ def fidelity_command(
     min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="exit 1 if the same-top-1 rate is below")] = None,
     max_ppl_ratio: Annotated[Optional[float], typer.Option("--max-ppl-ratio", help="exit 1 if PPL(quant)/PPL(ref) is above")] = None,
     save_card: Annotated[bool, typer.Option("--save-card", help="write the figures into QUANT's model card (README.md, its fidelity section; atomic)")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bar")] = False,
 ) -> None:
     """Score a quantised checkpoint against its reference (KLD, PPL ratio, top-1 agreement, ...)."""
-    from rich.console import Console
-
     from edgeq import card
+    from edgeq.cli_output import err, out, write
 
     if not 1 <= len(models) <= 2:
         raise EdgeqError(f"fidelity: {len(models)} checkpoints given; usage: edgeq fidelity REF QUANT")
     models = resolve_models(models, revision)
     if len(models) == 2:
         check_order(*models, allow_swapped)  # before the progress bar, so that the refusal is the only stderr line
-    out = Console()
-    bar, update = _progress_bar()
+    bar, update = _progress_bar(quiet)
     with bar:
         if len(models) == 1 and ref is None:
             if save_ref is None:
@@ -1103,17 +1107,16 @@ def fidelity_command(
                               save_ref=save_ref, ref_file=ref, per_layer=per_layer, top=top, ref_topk=ref_topk,
                               progress=update, allow_swapped=allow_swapped)
     if json_out:
-        print(report.to_json())
+        write(report.to_json() + "\n")
     else:
         out.print(render(report, top))
     if report.partial:
-        Console(stderr=True).print("interrupted: the statistics above are partial" +
-                                   ("; --save-ref was not written" if save_ref else ""))
+        err.print("interrupted: the statistics above are partial" + ("; --save-ref was not written" if save_ref else ""))
         raise typer.Exit(130)
     if save_card:  # the figures as measured, whether or not a bound below is broken
         reference = f"{ref} (a --save-ref file)" if ref else card.source_name(ref_path)
         record = card.fidelity_record(report, reference=reference, text=str(text or "edgeq/data/heldout-prose.txt"))
-        Console(stderr=True).print(f"wrote the fidelity figures into {card.save_fidelity(quant_path, record)}")
+        err.print(f"wrote the fidelity figures into {card.save_fidelity(quant_path, record)}")
     broken = broken_bounds(report, max_kld=max_kld, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio)
     if broken:
         raise ThresholdError("; ".join(broken))  # the CLI prints "threshold broken: <this>", exit 1

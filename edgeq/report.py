@@ -1120,7 +1120,8 @@ def inspect_command(
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME or .toml FILE for tensor roles and the plan [default: by model_type]."),
 ) -> None:
     """Show what is in a checkpoint, what serving it costs, and what is wrong with it (headers only by default)."""
-    from edgeq.cli import emit, err, out, parse_bytes
+    from edgeq.cli import parse_bytes
+    from edgeq.cli_output import emit, err, out
 
     report = inspect_checkpoint(resolve_model(path, revision), verify=verify, max_model_len=max_model_len,
                                 kv_cache_bytes=parse_bytes(kv_cache_bytes, "--kv-cache-bytes"), strict_layout=strict_layout,

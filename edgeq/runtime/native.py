@@ -390,8 +390,7 @@ def native_command(as_json: bool = False) -> None:
     Exit status 0 whether or not the kernel is available (the runtime then uses aten); an invalid
     ``EDGEQ_NATIVE_ISA`` is an :class:`EdgeqError` (exit 2).
     """
-    import json  # noqa: PLC0415
-
+    from edgeq.cli_output import emit, line  # noqa: PLC0415
     from edgeq.runtime import native_w4a8  # noqa: PLC0415 - the W4A8 kernel is built and reported here too
 
     st = status()
@@ -400,16 +399,16 @@ def native_command(as_json: bool = False) -> None:
     native_w4a8.available()  # builds it if needed; an invalid EDGEQ_W4A8_ISA raises (exit 2)
     w8 = native_w4a8.status()
     if as_json:
-        print(json.dumps({**st, "w4a8": w8}, indent=2))
+        emit({**st, "w4a8": w8}, as_json=True)
         return
     if st["available"]:
         secs = st["build_seconds"]
         built = f"built in {secs} s" if st["built_now"] else f"loaded in {secs} s (cached)"
-        print(f"native kernel: available, isa {st['isa']} ({st['reason']}); CPU paths: {', '.join(st['cpu_isas'])}")
-        print(f"  {built}: {st['library']}")
+        line(f"native kernel: available, isa {st['isa']} ({st['reason']}); CPU paths: {', '.join(st['cpu_isas'])}")
+        line(f"  {built}: {st['library']}")
     else:
-        print(f"native kernel: not available ({st['reason']}); decode uses aten._weight_int4pack_mm_for_cpu")
+        line(f"native kernel: not available ({st['reason']}); decode uses aten._weight_int4pack_mm_for_cpu")
     if w8["available"]:
-        print(f"native W4A8 kernel: available, isa {w8['isa']} ({w8['reason']}); CPU paths: {', '.join(w8['cpu_isas'])}")
+        line(f"native W4A8 kernel: available, isa {w8['isa']} ({w8['reason']}); CPU paths: {', '.join(w8['cpu_isas'])}")
     else:
-        print(f"native W4A8 kernel: not available ({w8['reason']}); W4A8 runs the portable path")
+        line(f"native W4A8 kernel: not available ({w8['reason']}); W4A8 runs the portable path")

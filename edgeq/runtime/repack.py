@@ -98,14 +98,13 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
 
 def repack_command(path: str, out: str | None = None) -> None:
     """`edgeq repack PATH [--out DIR]`: rewrite the packed weights for this machine's kernel layout."""
-    import sys  # noqa: PLC0415
-
+    from edgeq.cli_output import say  # noqa: PLC0415
     from edgeq.convert import describe_layout  # noqa: PLC0415
 
     r = repack(path, out)
     layout = describe_layout(tinygemm.probe())  # the target: what this process's torch packs for, and why
     if not r.changed:
-        print(f"{r.path}: already packed for this machine (layout {layout}); nothing to do", file=sys.stderr)
+        say(f"{r.path}: already packed for this machine (layout {layout}); nothing to do")
     else:
-        print(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
-              f"to {layout} in {r.seconds:.2f} s", file=sys.stderr)
+        say(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
+            f"to {layout} in {r.seconds:.2f} s")
