@@ -12,12 +12,15 @@ embedding and the norm weights are the mapped bf16 views) and writes keys and va
 continues here. What it owns, allocated once at construction: RoPE tables for ``max_model_len`` positions and
 activation buffers of one token. A step writes into those with ``out=`` variants and in-place ops; the only tensors
 a step allocates are the outputs of ops that have no ``out=`` form (the int4 kernel's result of each projection and
-of the head, and SDPA's result: docs/runtime.md counts them).
+of the head, and SDPA's result when SDPA runs: docs/runtime.md counts them).
 
-Every op repeats the transformers computation in the same order and dtype, so the logits are bit-identical to
-the transformers forward on the same cache (tests/test_lean.py), except on sliding-window layers past the window
-(SDPA over the window's slice instead of a masked full row: equal within bf16 rounding). Per layer, with x the bf16
-residual [1, H]::
+Attention (:func:`attention_choice`, ``settings.decode_attention``): by default edgeq's native single-query kernel
+(``edgeq.runtime.native.decode_attn``: fp32 softmax over the cache read in place, one rounding), several times
+faster than torch's flash-attention CPU kernel for one query, and close to it, not bit-equal (tests/test_lean.py
+bounds the logits); ``decode_attention="sdpa"`` keeps SDPA. With SDPA every op repeats the transformers computation
+in the same order and dtype, so the logits are bit-identical to the transformers forward on the same cache
+(tests/test_lean.py), except on sliding-window layers past the window (SDPA over the window's slice instead of a
+masked full row: equal within bf16 rounding). Per layer, with x the bf16 residual [1, H]::
 
     n   = w_in * bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps))        # RMSNorm, two roundings as transformers
     q, k, v = n @ Wq^T (+ bq), n @ Wk^T (+ bk), n @ Wv^T (+ bv)      # [heads*d], [kv_heads*d] each
@@ -34,12 +37,17 @@ swap_halves(t) * nsin = [c, e, a, b] * [-s0, -s1, s0, s1], the same four product
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from edgeq.errors import EdgeqError
+from edgeq.runtime import native
 
+ENV_DECODE_ATTN = "EDGEQ_DECODE_ATTN"
+DECODE_ATTNS = ("auto", "native", "sdpa")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -167,7 +175,7 @@ def _linear(module: nn.Module, counts) -> _Linear:
 class LeanDecoder:
     """``step(token) -> logits [1, V]`` at position ``cache.length``, appending to the cache. One sequence."""
 
-    def __init__(self, model: nn.Module, config, cache, max_model_len: int, counts):
+    def __init__(self, model: nn.Module, config, cache, max_model_len: int, counts, attention: str | None = None):
         self.family = config.model_type
         body = model.model
         self.cache = cache
@@ -185,6 +193,7 @@ class LeanDecoder:
         self.hidden = int(self.embed.shape[1])
         self.max_positions = int(max_model_len)
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
+        self.attention, self.attention_reason = attention_choice(attention)
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)
 
@@ -214,6 +223,8 @@ class LeanDecoder:
         self._nsin_lo, self._nsin_hi = self.nsin_p[:, :half], self.nsin_p[:, half:]
         self._rot_q = self.rot[:h].view(1, h, 1, d)
         self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
+        self._rot_qh = self.rot[:h]  # [h, d]: the native attention's q
+        self.attn_out = torch.empty(h, d, dtype=dt)  # the native attention's output, reused every layer
         self._qn_q, self._qn_k = None, None
         if self.qk_norm is not None:
             self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
@@ -260,8 +271,13 @@ class LeanDecoder:
             L.values.index_copy_(2, self.pos, v.view(1, -1, 1, d))
             L.cache_layer.length = end
             start = end - L.window if L.window is not None and end > L.window else 0
-            a = F.scaled_dot_product_attention(self._rot_q, L.keys.narrow(2, start, end - start),
-                                               L.values.narrow(2, start, end - start), scale=L.scale, enable_gqa=self.gqa)
+            if self.attention == "native":
+                native.decode_attn(self._rot_qh, L.keys, L.values, start, end, L.scale, self.attn_out)
+                a = self.attn_out
+            else:
+                a = F.scaled_dot_product_attention(self._rot_q, L.keys.narrow(2, start, end - start),
+                                                   L.values.narrow(2, start, end - start), scale=L.scale,
+                                                   enable_gqa=self.gqa)
             x.add_(L.o.fn(a.reshape(1, h * d)))
             norm(x, L.w_post, L.eps_post, n)
             g = L.gate.fn(n)
@@ -277,6 +293,32 @@ class LeanDecoder:
         torch.mul(self._qk_hi, self._nsin_lo, out=self._t2_lo)
         torch.mul(self._qk_lo, self._nsin_hi, out=self._t2_hi)
         torch.add(self.t1, self.t2, out=self.rot)
+
+
+def attention_choice(request: str | None) -> tuple[str, str]:
+    """("native" | "sdpa", why) for the single-query attention of a decode step.
+
+    ``request``: "auto" (None reads ``$EDGEQ_DECODE_ATTN``, default auto) takes edgeq's native kernel when the native library
+    runs here, else SDPA; "native" requires it; "sdpa" keeps torch's SDPA, whose logits are bit-identical to the
+    transformers forward. The native kernel computes the same softmax in fp32 with one final rounding (its error
+    against an fp64 reference is at most SDPA's on tests/test_attn_decode.py's cases), but in another summation
+    order, so logits are close, not bit-equal: the reason it is a choice. Why it exists: torch's flash-attention CPU
+    kernel is built for many queries; for one query it cost 6-9x a grouped product (docs/kernel.md, decode breakdown).
+    """
+    source = "decode_attention"
+    if request is None:
+        request, source = os.environ.get(ENV_DECODE_ATTN) or "auto", f"${ENV_DECODE_ATTN}"
+    choice = str(request).strip().lower()
+    if choice not in DECODE_ATTNS:
+        raise EdgeqError(f"{source}={request!r}: expected one of {', '.join(DECODE_ATTNS)}")
+    if choice == "sdpa":
+        return "sdpa", f"requested ({source}=sdpa)"
+    if native.available():
+        return "native", f"edgeq's single-query kernel ({native.status().get('isa')})"
+    why = native.status().get("reason", "unavailable")
+    if choice == "native":
+        raise EdgeqError(f"{source}=native but the native library does not run here: {why}; use auto or sdpa")
+    return "sdpa", f"native library unavailable ({why})"
 
 
 def rope_tables(rotary: nn.Module, positions: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

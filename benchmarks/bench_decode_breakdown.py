@@ -1,0 +1,176 @@
+"""Where one decode step's time goes: kernel matmuls, attention, the rest of the ops, and what is left (Python,
+dispatch, OpenMP fork/join), at given context lengths, for each decode-attention arm, in one process.
+
+For each context length: the prompt (random ids) is prefilled once per pass, then ``--steps`` greedy decode steps
+(``lm.decode_step`` + argmax, as ``edgeq.runtime.generate_ids`` does) are timed. Arms (``--attention``: edgeq's
+native single-query kernel and torch's SDPA) switch the loaded decoder's attention in place, so both arms use the
+same mapped weights and cache; they are interleaved pass by pass (order rotated), ``--passes`` times, median [min-max]
+reported. Then one profiled run per arm and context (torch.profiler, self CPU time per op, summed per token):
+
+- ``matmul kernel``: the quantised projections (``edgeq::int4_mm``, aten's int4 op, the W4A8 ops, bf16 linears);
+- ``head``: the same ops whose weight has the vocabulary's rows;
+- ``attention``: ``edgeq::decode_attn`` or SDPA;
+- ``norms, RoPE, elementwise``: every other aten op (RMSNorm, RoPE, cache writes, residual adds, silu, mul);
+- ``argmax``: the greedy pick;
+- ``left``: the unprofiled step time minus all of the above (Python, dispatch, OpenMP fork/join; the profiler
+  inflates op times a little, so this is a lower estimate).
+
+``kernel only`` replays the step's linear calls alone (every projection and the head, in order, random inputs of
+the same shapes): what benchmarks/bench_kernel.py measures, per token. ``outside the matmuls`` = step - kernel only.
+
+    python benchmarks/synthetic.py qwen2.5-1.5b /tmp/q15-hf && edgeq quantize /tmp/q15-hf -o /tmp/q15 --method minmax
+    python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512,2048 --threads 2 --passes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+KERNEL_OPS = ("edgeq::int4_mm", "aten::_weight_int4pack_mm_for_cpu", "edgeq_w4a8::w4a8_mm", "aten::_weight_int8pack_mm",
+              "aten::linear", "aten::mm", "aten::addmm", "aten::_int_mm")
+ATTN_OPS = ("edgeq::decode_attn", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
+ARGMAX_OPS = ("aten::argmax",)
+CATEGORIES = ("matmul kernel", "head", "attention", "norms, RoPE, elementwise", "argmax")
+
+
+def _category(ev, vocab: int) -> str:
+    name = ev.name
+    if name in ATTN_OPS or "w4a8" in name and "attn" in name:
+        return "attention"
+    if name in ARGMAX_OPS:
+        return "argmax"
+    if name in KERNEL_OPS or name.startswith("edgeq_w4a8::"):
+        weights = [s for s in (ev.input_shapes or [])[1:] if s]  # x first, then the weight tensors
+        return "head" if any(s[0] == vocab for s in weights) else "matmul kernel"
+    return "norms, RoPE, elementwise"
+
+
+def _steps(lm, first: int, n: int) -> float:
+    """Seconds for ``n`` greedy decode steps starting from token ``first``."""
+    step, token = lm.decode_step, first
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = int(torch.argmax(step(token)))
+    return time.perf_counter() - t0
+
+
+def _prefill(lm, ctx: int, vocab: int) -> int:
+    ids = torch.randint(3, vocab, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+    lm.cache.reset()
+    return int(torch.argmax(lm.forward(ids, logits_to_keep=1)[0, -1]))
+
+
+def _replay_linears(lm, steps: int) -> float:
+    """Seconds per token of the decode step's linear calls alone (projections + head, in order)."""
+    dec = lm.decoder
+    calls = []
+    for L in dec.layers:
+        for lin, k in ((L.q, dec.hidden), (L.k, dec.hidden), (L.v, dec.hidden), (L.o, dec.heads * dec.head_dim),
+                       (L.gate, dec.hidden), (L.up, dec.hidden), (L.down, L.gate.out_features)):
+            calls.append((lin.fn, torch.randn(1, k).to(dec.dtype)))
+    calls.append((dec.head.fn, torch.randn(1, dec.hidden).to(dec.dtype)))
+    for fn, x in calls:
+        fn(x)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for fn, x in calls:
+            fn(x)
+    return (time.perf_counter() - t0) / steps
+
+
+def _profile(lm, ctx: int, vocab: int, steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    token = _prefill(lm, ctx, vocab)
+    _steps(lm, token, 2)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _steps(lm, token, steps)
+    per = defaultdict(float)
+    for ev in prof.events():
+        per[_category(ev, vocab)] += ev.self_cpu_time_total / 1e3 / steps  # ms per token
+    return dict(per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--attention", default="native,sdpa", help="arms: native, sdpa")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per pass")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from edgeq.runtime import load
+    from edgeq.runtime.lean import attention_choice
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    arms = [a.strip() for a in args.attention.split(",")]
+    for arm in arms:
+        attention_choice(arm)  # an arm that cannot run here is an error before anything is timed
+    lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
+              kv_cache_bytes="1GiB",
+              decode_attention=arms[0])
+    if lm.decoder is None:
+        raise SystemExit(f"the lean decoder does not run this model: {lm.settings.decode_loop_reason}")
+    vocab = int(lm.config.vocab_size)
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    times = {(c, a): [] for c in contexts for a in arms}
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    for p in range(args.passes):
+        for c in contexts:
+            order = arms[p % len(arms):] + arms[: p % len(arms)]
+            for a in order:
+                lm.decoder.attention = a
+                token = _prefill(lm, c, vocab)
+                _steps(lm, token, 2)  # warm
+                times[(c, a)].append(_steps(lm, token, args.steps) / args.steps * 1e3)
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0) / args.threads
+    kernel_ms = statistics.median(_replay_linears(lm, 8) for _ in range(3)) * 1e3
+    prof = {}
+    for c in contexts:
+        for a in arms:
+            lm.decoder.attention = a
+            prof[(c, a)] = _profile(lm, c, vocab, max(8, args.steps // 2))
+    finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+    s = lm.settings
+    print(f"# decode breakdown: {args.checkpoint}")
+    print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, "
+          f"decode path {s.decode_path}, loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed "
+          f"passes {cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
+    print(f"kernel only (the step's {7 * len(lm.decoder.layers) + 1} linear calls replayed): {kernel_ms:.2f} ms/token\n")
+    print("| context | attention | step ms/token, median [min-max] | tok/s | outside the matmuls | "
+          + " | ".join(CATEGORIES) + " | left |")
+    print("|---|---|---|---|---|" + "---|" * (len(CATEGORIES) + 1))
+    rows = []
+    for c in contexts:
+        for a in arms:
+            t = times[(c, a)]
+            med = statistics.median(t)
+            cats = prof[(c, a)]
+            left = med - sum(cats.values())
+            rows.append(dict(context=c, attention=a, step_ms=med, step_min=min(t), step_max=max(t),
+                             kernel_only_ms=kernel_ms, outside_ms=med - kernel_ms, categories=cats, left_ms=left))
+            print(f"| {c} | {a} | {med:.2f} [{min(t):.2f}-{max(t):.2f}] | {1e3 / med:.1f} | {med - kernel_ms:.2f} | "
+                  + " | ".join(f"{cats.get(k, 0.0):.2f}" for k in CATEGORIES) + f" | {left:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(started=started, finished=finished, checkpoint=args.checkpoint, threads=s.threads,
+                           cpu_share=cpu_share, machine=platform.processor(), rows=rows,
+                           omp=os.environ.get("OMP_WAIT_POLICY")), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
