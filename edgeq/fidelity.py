@@ -1089,6 +1089,8 @@ def fidelity_command(
     models = resolve_models(models, revision)
     if len(models) == 2:
         check_order(*models, allow_swapped)  # before the progress bar, so that the refusal is the only stderr line
+    if save_card:
+        card.check_checkpoint(models[-1])  # QUANT, before the run and the progress bar
     bar, update = _progress_bar(quiet)
     with bar:
         if len(models) == 1 and ref is None:
@@ -1101,8 +1103,6 @@ def fidelity_command(
             out.print(f"wrote {save_ref}: {n} positions, PPL(ref) {ppl:.4f}")
             return
         ref_path, quant_path = (None, models[0]) if len(models) == 1 else (models[0], models[1])
-        if save_card:
-            card.check_checkpoint(quant_path)  # before the run: the card describes an edgeq checkpoint
         report = run_fidelity(ref_path, quant_path, text_path=text, ctx=ctx, score=score, max_tokens=max_tokens,
                               save_ref=save_ref, ref_file=ref, per_layer=per_layer, top=top, ref_topk=ref_topk,
                               progress=update, allow_swapped=allow_swapped)
