@@ -62,7 +62,8 @@ def quantize(
                                          "for GPTQ input the checkpoint's group size]."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax | "
                                          "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE "
+                                         "[default: the recipe for config.json's model_type]."),
     requantize: bool = typer.Option(False, "--requantize", help="GPTQ input: requantise (from the exact dequantisation) "
                                     "the layers that cannot be repacked exactly, e.g. another group size."),
     head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
