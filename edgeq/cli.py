@@ -60,7 +60,7 @@ def quantize(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
                                          "for GPTQ input the checkpoint's group size]."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn (min/max + clipping search, default) | minmax | "
+    method: Optional[str] = typer.Option(None, "--method", help="rtn (least-squares scale/zero search, default) | clip (min/max + clipping search) | minmax | "
                                          "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE "
                                          "[default: the recipe for config.json's model_type]."),

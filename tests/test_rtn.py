@@ -1,10 +1,11 @@
-"""RTN math: hand-worked vectors, the clipping search's guarantee, edge cases."""
+"""RTN math: hand-worked vectors, the searches' guarantees (least squares <= clipping <= min/max), edge cases."""
 
 import pytest
 import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts.tinygemm import dequantize
+from edgeq.quantize import search
 from edgeq.quantize.rtn import quantize_groups
 
 
@@ -39,15 +40,59 @@ def test_minmax_is_nearest_level_for_stored_params():
     assert bool((err <= scale / 2 + scale * 2**-7 + 1e-6).all())  # + the range edge moved by bf16 rounding
 
 
+def _group_sq_error(r, w, g):
+    return (dequantize(r.q, r.scales_and_zeros, g) - w).square().reshape(w.shape[0], -1, g).sum(-1)
+
+
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
-def test_clipping_never_worse_than_minmax_per_group(g):
+def test_searches_never_worse_per_group(g):
+    """clip <= minmax and rtn (least squares) <= clip on every group's own squared error, as stored (bf16)."""
     gen = torch.Generator().manual_seed(g)
     w = torch.randn(128, 512, generator=gen) * torch.rand(128, 1, generator=gen)
     w[::7, ::13] *= 8  # outliers, where clipping matters
-    mm, rtn = quantize_groups(w, g, "minmax"), quantize_groups(w, g, "rtn")
-    per_group = lambda r: (dequantize(r.q, r.scales_and_zeros, g) - w).square().reshape(128, -1, g).sum(-1)
-    assert bool((per_group(rtn) <= per_group(mm) + 1e-9).all())
-    assert rtn.relative_error < mm.relative_error * 0.97  # and strictly better overall on such weights
+    mm, clip, rtn = (quantize_groups(w, g, m) for m in ("minmax", "clip", "rtn"))
+    assert bool((_group_sq_error(clip, w, g) <= _group_sq_error(mm, w, g) + 1e-9).all())
+    assert bool((_group_sq_error(rtn, w, g) <= _group_sq_error(clip, w, g) + 1e-9).all())
+    assert clip.relative_error < mm.relative_error * 0.97  # and strictly better overall on such weights
+    assert rtn.relative_error < clip.relative_error * 0.99
+
+
+def test_lsq_fit_hand_worked():
+    """w = [0, 1, 2, 4] on codes 8..11 (L = 0..3): s = cov(L, w) / var(L) = 6.5 / 5 = 1.3 -> bf16 1.296875; the
+    zero refitted for the rounded slope: (7 - 1.296875 * 6) / 4 = -0.1953125 (exact in bf16)."""
+    w = torch.tensor([[[0.0, 1.0, 2.0, 4.0]]])
+    scale, zero, ok = search.lsq_fit(w, torch.tensor([[[8.0, 9.0, 10.0, 11.0]]]), torch.ones_like(w))
+    assert scale.item() == 1.296875 and zero.item() == -0.1953125 and bool(ok)
+    _, _, ok = search.lsq_fit(w, torch.full_like(w, 8.0), torch.ones_like(w))  # one distinct code: no slope
+    assert not bool(ok)
+
+
+def test_rtn_finds_a_grid_minmax_misses():
+    """Values on 15 levels 0.25 apart (codes 0..14): min/max stretches them over 16 levels and errs; the search
+    tries the step (hi - lo) / 14 = 0.25 and reproduces the group exactly."""
+    levels = torch.arange(15, dtype=torch.float32) * 0.25 - 1.5
+    w = torch.cat((levels, levels[:1])).repeat(16, 2)  # G = 16 per group, 2 groups, 16 rows
+    mm, rtn = quantize_groups(w, 32, "minmax"), quantize_groups(w, 32, "rtn")
+    assert mm.relative_error > 0.01
+    assert rtn.relative_error == 0.0
+    assert torch.equal(dequantize(rtn.q, rtn.scales_and_zeros, 32), w)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "rms_abs"])
+def test_weighted_search_never_worse_than_minmax(kind):
+    """The reference: min/max, scored with the same per-weight importance c the search minimises."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 8, 32, generator=gen).pow(3)
+    c = search.importance(w, kind)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    ref_s, ref_z = search.minmax_params(lo, hi)
+    ref = search.weighted_error(w, search.codes(w, ref_s, ref_z), ref_s, ref_z, c)
+    for scale, zero in (search.lsq_search(w, c), search.hqq_zero(w, c)):
+        assert torch.equal(scale, search.bf16(scale)) and torch.equal(zero, search.bf16(zero))  # storable
+        err = search.weighted_error(w, search.codes(w, scale, zero), scale, zero, c)
+        assert bool((err <= ref).all())
+    s, z = search.lsq_search(w, c)
+    assert float(search.weighted_error(w, search.codes(w, s, z), s, z, c).sum()) < 0.9 * float(ref.sum())
 
 
 def test_errors_name_the_tensor():

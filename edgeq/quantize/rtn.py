@@ -1,13 +1,16 @@
-"""Round-to-nearest with tinygemm's asymmetric uint4 and a float zero point, plus a per-group clipping search.
+"""Round-to-nearest with tinygemm's asymmetric uint4 and a float zero point; three ways to choose (scale, zero).
 
 For each group of G consecutive input channels of each output row (weight w [N, K], groups along K)::
 
     scale = (hi - lo) / 15            zero = lo + 8 * scale           (both rounded to bf16, as stored)
     q     = clamp(round((w - (zero - 8 * scale)) / scale), 0, 15)     w_hat = (q - 8) * scale + zero
 
-with ``[lo, hi]`` the group's min/max (``method="minmax"``), or that range shrunk about its centre by the ratio
-from :data:`CLIP_RATIOS` that gives the least squared reconstruction error for that group (``method="rtn"``, the
-default). Ratio 1.0 is in the grid, so the search is never worse than min/max for any group.
+- ``method="minmax"``: ``[lo, hi]`` is the group's min/max;
+- ``method="clip"`` (the default before 0.2): that range shrunk about its centre by the ratio from
+  :data:`CLIP_RATIOS` that gives the least squared reconstruction error for that group;
+- ``method="rtn"`` (the default): the least-squares (scale, zero) search of :func:`edgeq.quantize.search.lsq_search`
+  (candidate steps, a closed-form affine refit of the codes, bf16 rounding, Lloyd refinement) with the min/max and
+  every clipping pair as further candidates, so per group it is never worse than ``clip`` nor ``minmax``.
 
 Worked example (G = 4, one group, min/max): w = [-1.0, 0.0, 0.5, 2.0]; lo = -1, hi = 2; scale = 0.2 -> bf16
 0.2001953125, zero = -1 + 8 * scale = 0.6015625 (bf16); (w - zero) / scale = [-8.00, -3.00, -0.51, 6.99], so
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from edgeq.errors import EdgeqError
+from edgeq.quantize import search
 
 CLIP_RATIOS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76, 0.73, 0.70)
-METHODS = ("rtn", "minmax")
-_MIN_SCALE = 2.0**-24  # smallest positive normal-ish step: bf16 represents it exactly
+METHODS = ("rtn", "clip", "minmax")
 
 
 @dataclass(frozen=True)
@@ -52,18 +55,6 @@ class QuantizedTensor:
         return (float(self.sq_error.sum()) / norm) ** 0.5 if norm > 0 else 0.0
 
 
-def _params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16-rounded (scale, zero) in fp32 for ranges [lo, hi]."""
-    scale = ((hi - lo) / 15.0).clamp_min(_MIN_SCALE).to(torch.bfloat16).to(torch.float32)
-    zero = (lo + 8.0 * scale).to(torch.bfloat16).to(torch.float32)
-    return scale, zero
-
-
-def _round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """q = clamp(round((w - zero) / scale) + 8, 0, 15), shapes [R, Gc, G] / [R, Gc, 1]."""
-    return (torch.round((w - zero) / scale) + 8.0).clamp_(0.0, 15.0)
-
-
 def quantize_groups(w: torch.Tensor, group_size: int, method: str = "rtn", name: str = "weight") -> QuantizedTensor:
     """Quantise a float weight [N, K] (any float dtype) to tinygemm uint4 with per-(row, group) scale and zero.
 
@@ -80,22 +71,9 @@ def quantize_groups(w: torch.Tensor, group_size: int, method: str = "rtn", name:
     if not bool(torch.isfinite(wf).all()):
         bad = int((~torch.isfinite(wf)).sum())
         raise EdgeqError(f"{name}: {bad} NaN/Inf value(s) in the weights; fix or re-export the checkpoint")
-    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
-    ratios = CLIP_RATIOS if method == "rtn" else (1.0,)
-    centre, half = (hi + lo) / 2, (hi - lo) / 2
-    best = best_scale = best_zero = best_err = None
-    for r in ratios:
-        scale, zero = _params(centre - r * half, centre + r * half)
-        q = _round(wf, scale, zero)
-        err = ((q - 8.0) * scale + zero - wf).square_().sum(-1, keepdim=True)
-        if best is None:
-            best, best_scale, best_zero, best_err = q, scale, zero, err
-            continue
-        better = err < best_err  # strict: ties keep the earlier (wider) range, so minmax wins ties
-        best = torch.where(better, q, best)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-        best_err = torch.where(better, err, best_err)
+    best_scale, best_zero = _choose(wf, method)
+    best = search.codes(wf, best_scale, best_zero)
+    best_err = search.weighted_error(wf, best, best_scale, best_zero, torch.ones_like(wf))
     sz = torch.stack((best_scale[..., 0], best_zero[..., 0]), dim=-1)  # [N, K/G, 2]
     return QuantizedTensor(
         q=best.reshape(n, k).to(torch.uint8),
@@ -104,3 +82,21 @@ def quantize_groups(w: torch.Tensor, group_size: int, method: str = "rtn", name:
         sq_error=best_err[..., 0].sum(-1).to(torch.float64),
         sq_norm=wf.square().sum((-1, -2)).to(torch.float64),
     )
+
+
+def _clip_candidates(wf: torch.Tensor, ratios) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """bf16 (scale, zero) of the group's [min, max] shrunk about its centre by each ratio."""
+    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
+    centre, half = (hi + lo) / 2, (hi - lo) / 2
+    return [search.minmax_params(centre - r * half, centre + r * half) for r in ratios]
+
+
+def _choose(wf: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group bf16 (scale, zero) for ``method``; every method's first candidate is min/max, and ties keep it."""
+    candidates = _clip_candidates(wf, CLIP_RATIOS if method != "minmax" else (1.0,))
+    if method == "rtn":
+        return search.lsq_search(wf, torch.ones_like(wf), extra=tuple(candidates[1:]))
+    best = search.Best(wf, torch.ones_like(wf), *candidates[0])
+    for scale, zero in candidates[1:]:
+        best.offer(scale, zero)
+    return best.scale, best.zero

@@ -1,0 +1,141 @@
+"""Data-free (scale, zero) searches for tinygemm's affine uint4 groups: ``w_hat = (q - 8) * scale + zero``.
+
+Every function here works on groups shaped ``[R, Gc, G]`` (fp32) and returns bf16-representable fp32 parameters
+shaped ``[R, Gc, 1]``; the codes are always recomputed from the *stored* (bf16) parameters by :func:`codes`, so
+what a search measures is what the checkpoint holds.
+
+``lsq_search`` -- a weighted least-squares search in the spirit of llama.cpp's k-quant search (``make_qkx2_quants``;
+the idea, not its code). For candidate steps ``(hi - lo) / (15 + d)``, d in ``-1, -0.9, ..., +1``, the codes
+``L = round((w - lo) / step)`` are fixed and the affine map that fits them best is solved in closed form::
+
+    minimise  sum_i c_i (s * L_i + m - w_i)^2   ->   D = S_c * S_LL - S_L^2
+              s = (S_c * S_Lw - S_L * S_w) / D,     m = (S_LL * S_w - S_L * S_Lw) / D
+
+(S_c = sum c_i, S_L = sum c_i L_i, S_LL = sum c_i L_i^2, S_w = sum c_i w_i, S_Lw = sum c_i L_i w_i). In tinygemm
+terms scale = s and zero = m + 8 s. Both are rounded to bf16 (the zero refitted as ``(S_w - scale S_L) / S_c`` after
+the scale is rounded, which the rounding otherwise shifts), the codes recomputed for the rounded pair, a few
+refit/re-round rounds run on the best candidate, and per group the pair with the least weighted error is kept. The
+min/max pair is a candidate, so the result is never worse than min/max on the group's weighted error.
+
+Weights ``c`` (no calibration data): ``c_i = rms(w) + |w_i|`` per group, llama.cpp's choice for Q4_K without an
+importance matrix (large weights matter more to a layer's output than small ones), or uniform.
+
+``hqq_zero`` -- half-quadratic optimisation of the zero point for a fixed min/max scale (HQQ's
+``optimize_weights_proximal``, re-derived): alternate ``q = round(w / s + z)`` with an l_p (p < 1) shrinkage of the
+residual ``e = shrink(w - (q - z) s)`` and the closed-form ``z = mean(q - (w - e) / s)``. Kept for comparison.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEP_OFFSETS = tuple(-1.0 + 0.1 * i for i in range(21))  # candidate steps (hi - lo) / (15 + d)
+REFINE_ROUNDS = 3
+_MIN_SCALE = 2.0**-24
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest bf16 value, kept in fp32."""
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round((w - zero) / scale) + 8, 0, 15) (fp32), the nearest level for the stored pair."""
+    return (torch.round((w - zero) / scale) + 8.0).clamp_(0.0, 15.0)
+
+
+def weighted_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   c: torch.Tensor) -> torch.Tensor:
+    """sum_i c_i ((q_i - 8) scale + zero - w_i)^2 per group, [R, Gc, 1]."""
+    return (c * ((q - 8.0) * scale + zero - w).square()).sum(-1, keepdim=True)
+
+
+def importance(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-weight error weights without data: "rms_abs" (rms of the group + |w|) or "uniform"."""
+    if kind == "uniform":
+        return torch.ones_like(w)
+    if kind == "rms_abs":
+        return w.square().mean(-1, keepdim=True).sqrt() + w.abs()
+    raise ValueError(f"unknown importance {kind!r}")
+
+
+def minmax_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (scale, zero) mapping [lo, hi] onto 0..15: scale = (hi - lo) / 15, zero = lo + 8 scale."""
+    scale = bf16(((hi - lo) / 15.0).clamp_min(_MIN_SCALE))
+    return scale, bf16(lo + 8.0 * scale)
+
+
+def lsq_fit(w: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bf16 (scale, zero) that best fit fixed codes ``q`` in the c-weighted least-squares sense.
+
+    Returns (scale, zero, ok); ``ok`` is False where the fit is degenerate (one distinct code, or a slope <= 0), and
+    the caller must not use those groups' values.
+    """
+    L = q - 8.0  # fit w ~ s * L + zero directly: zero is the intercept at L = 0
+    s_c = c.sum(-1, keepdim=True)
+    s_l = (c * L).sum(-1, keepdim=True)
+    s_ll = (c * L * L).sum(-1, keepdim=True)
+    s_w = (c * w).sum(-1, keepdim=True)
+    s_lw = (c * L * w).sum(-1, keepdim=True)
+    det = s_c * s_ll - s_l * s_l
+    ok = det > 1e-12 * s_c * s_ll.clamp_min(1e-30)
+    safe = torch.where(ok, det, torch.ones_like(det))
+    slope = (s_c * s_lw - s_l * s_w) / safe
+    ok = ok & (slope > _MIN_SCALE)
+    scale = bf16(slope.clamp_min(_MIN_SCALE))
+    zero = bf16((s_w - scale * s_l) / s_c.clamp_min(1e-30))  # refit the intercept for the rounded slope
+    return scale, zero, ok
+
+
+class Best:
+    """The per-group best (scale, zero, error) seen so far; strict improvement only, so earlier candidates win ties."""
+
+    def __init__(self, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        self.w, self.c = w, c
+        self.scale, self.zero = scale, zero
+        self.err = weighted_error(w, codes(w, scale, zero), scale, zero, c)
+
+    def offer(self, scale: torch.Tensor, zero: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        err = weighted_error(self.w, codes(self.w, scale, zero), scale, zero, self.c)
+        better = err < self.err
+        if ok is not None:
+            better &= ok
+        self.scale = torch.where(better, scale, self.scale)
+        self.zero = torch.where(better, zero, self.zero)
+        self.err = torch.where(better, err, self.err)
+
+
+def lsq_search(w: torch.Tensor, c: torch.Tensor, offsets=STEP_OFFSETS, rounds: int = REFINE_ROUNDS,
+               extra: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least c-weighted-error bf16 (scale, zero) per group of ``w`` [R, Gc, G] (see the module docstring).
+
+    ``extra``: more candidate pairs (already bf16) to consider, e.g. a clipping search's.
+    """
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    best = Best(w, c, *minmax_params(lo, hi))
+    for scale, zero in extra:
+        best.offer(scale, zero)
+    span = (hi - lo).clamp_min(_MIN_SCALE)
+    for d in offsets:
+        q = (torch.round((w - lo) * ((15.0 + d) / span))).clamp_(0.0, 15.0)
+        best.offer(*lsq_fit(w, q, c))
+    for _ in range(rounds):  # Lloyd-style: codes for the best pair, then the best pair for those codes
+        best.offer(*lsq_fit(w, codes(w, best.scale, best.zero), c))
+    return best.scale, best.zero
+
+
+def hqq_zero(w: torch.Tensor, c: torch.Tensor, iters: int = 20, p: float = 0.7, beta: float = 10.0,
+             kappa: float = 1.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max scale, zero point by half-quadratic (proximal l_p) optimisation; best of it and min/max by c-error."""
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    best = Best(w, c, *minmax_params(lo, hi))
+    scale = best.scale
+    z = 8.0 - best.zero / scale  # HQQ's zero in code units: w ~ (q - z) * scale
+    for _ in range(iters):
+        q = (torch.round(w / scale + z)).clamp_(0.0, 15.0)
+        r = w - (q - z) * scale
+        e = torch.sign(r) * torch.relu(r.abs() - (1.0 / beta) * r.abs().clamp_min(1e-12).pow(p - 1))
+        z = (q - (w - e) / scale).mean(-1, keepdim=True)
+        beta *= kappa
+        best.offer(scale, bf16((8.0 - z) * scale))
+    return best.scale, best.zero
