@@ -11,14 +11,10 @@ class EdgeqError(Exception):
 
 
 class DamagedCheckpointError(EdgeqError):
-    """The checkpoint's weights produced non-finite logits while generating (the server answers 500 damaged_checkpoint)."""
+    """The checkpoint's bytes are damaged: found at load (non-finite scales, a shard whose size or sha256 is not what
+    was written) or while generating (non-finite logits; the message names the first module whose output is not
+    finite). The CLI exits 2 like any EdgeqError; the server answers 500 damaged_checkpoint."""
 
 
 class ThresholdError(Exception):
     """A measured quantity broke a user-given bound (exit code 1, e.g. ``--max-kld``)."""
-
-
-class DamagedCheckpointError(EdgeqError):
-    """The checkpoint's bytes are damaged: found at load (non-finite scales, a shard of the wrong size or sha256) or
-    while generating (non-finite logits; the message names the first module whose output is not finite). The CLI
-    exits 2 like any EdgeqError; the server answers 500 (a fault of the served checkpoint, not of the request)."""

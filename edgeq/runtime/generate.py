@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from edgeq.errors import EdgeqError
+from edgeq.errors import DamagedCheckpointError, EdgeqError
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,8 @@ class Generation:
         r.prefill_seconds = time.perf_counter() - t0
         t_decode = time.perf_counter()
         while True:
+            if not bool(torch.isfinite(logits).all()):  # one reduction a step; the diagnosis runs only on failure
+                raise non_finite_error(lm, self.prompt_ids + r.token_ids, len(r.token_ids))
             token = sample(logits, p, gen)
             lp = (_logprob(logits, token, p.logprobs),) if p.logprobs is not None else ()
             if token in eos:
@@ -184,6 +186,33 @@ class Generation:
         if len(r.text) > emitted:  # text held back for a stop string that never came
             yield Delta(r.text[emitted:], (), ())
         r.decode_seconds = time.perf_counter() - t_decode
+
+
+def non_finite_error(lm, ids: list[int], step: int) -> DamagedCheckpointError:
+    """The error for non-finite logits at generation ``step`` (0: the prefill's logits), naming the first module
+    whose output is not finite: ``ids`` (prompt + tokens so far) are recomputed without the cache through the
+    model's forward with a hook on every module. Forward hooks fire when a module returns, so the first to see
+    NaN/Inf is the innermost, earliest module that produced it (a damaged projection, not the layer around it)."""
+    first: list[str] = []
+
+    def hook(name):
+        def check(_module, _inputs, output):
+            out = output[0] if isinstance(output, (tuple, list)) and output else output
+            if not first and isinstance(out, torch.Tensor) and out.is_floating_point() and not bool(torch.isfinite(out).all()):
+                first.append(name)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in lm.model.named_modules() if n]
+    try:
+        lm.forward(torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    where = (f"first non-finite output: {first[0]}" if first else
+             "no module output is non-finite when recomputed through the model's forward (the fault is in the decode loop)")
+    return DamagedCheckpointError(
+        f"{lm.path}: the logits of generated token {step + 1} are not finite (NaN/Inf); {where}. The checkpoint is "
+        f"damaged or its scales overflow bf16: check it with `edgeq inspect --verify {lm.path}` and re-quantise")
 
 
 def _check_fits(lm, n_prompt: int, max_tokens: int) -> None:
@@ -257,7 +286,7 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
 def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int | None = None, chat: bool = False, max_model_len: int | None = None,
                      kv_cache_bytes: str = "256MiB", stop: list[str] | None = None, strict_layout: bool = False,
-                     threads: int | None = None, as_json: bool = False, quiet: bool = False) -> None:
+                     threads: int | None = None, verify: bool = False, as_json: bool = False, quiet: bool = False) -> None:
     """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr (not with
     ``quiet``). ``as_json``: nothing streamed, one JSON object on stdout at the end (:func:`generation_record`)."""
     from edgeq.cli_output import emit, say, write  # noqa: PLC0415
@@ -265,7 +294,8 @@ def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: 
 
     quiet = quiet or as_json
     t = time.perf_counter()
-    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads)
+    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads,
+              verify=verify)
     load_seconds = time.perf_counter() - t
     s = lm.settings
     say(f"loaded {path} in {load_seconds:.2f} s: {describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "

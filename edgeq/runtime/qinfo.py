@@ -1,7 +1,9 @@
 """What the runtime needs from an edgeq checkpoint's config.json and edgeq_manifest.json, validated.
 
 Anything this version does not understand is refused with the reason: an unknown ``format_version``, a ``kernel``
-other than ``tinygemm_w4a16``, a malformed or self-inconsistent layout record, a foreign quantisation method.
+other than ``tinygemm_w4a16`` (``amx_w4a8`` is read by :mod:`edgeq.runtime.w4a8linear`), a malformed or
+self-inconsistent layout record (config.json's copy must equal the manifest's in every field), a foreign
+quantisation method.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeq.errors import EdgeqError
-from edgeq.layouts import tinygemm
+from edgeq.layouts import tinygemm, w4a8
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.scheme import Scheme
 
 FORMAT_VERSIONS = (1,)
-KERNELS = (tinygemm.KERNEL,)
+KERNELS = (tinygemm.KERNEL,)  # read here; amx_w4a8 checkpoints are read by edgeq.runtime.w4a8linear first
+RUNTIME_KERNELS = (tinygemm.KERNEL, w4a8.KERNEL)
 MANIFEST = "edgeq_manifest.json"
 
 
@@ -45,6 +48,20 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def config_layout_mismatch(record, layout: TinygemmLayout) -> str | None:
+    """None when config.json's layout record equals the manifest's fingerprint in every field (op, torch_version,
+    cpu_capability, block_n, layout_hash); else which field differs. The manifest's record is the one whose hash is
+    checked against its permutations; the copy in config.json has no permutations, so it is compared field by field
+    (an edited ``block_n`` or ``cpu_capability`` there would otherwise pass unnoticed)."""
+    record = record if isinstance(record, dict) else {}
+    want = layout.fingerprint()
+    for key in want:
+        if record.get(key) != want[key]:
+            return (f"config.json quantization_config.layout.{key} {str(record.get(key))[:16]!r} differs from the "
+                    f"manifest's {str(want[key])[:16]!r}")
+    return None
+
+
 def read_quant_info(directory: Path, config: dict) -> QuantInfo | None:
     """None for a plain (unquantised) HF checkpoint; a validated QuantInfo for an edgeq one."""
     qc = config.get("quantization_config")
@@ -60,10 +77,11 @@ def read_quant_info(directory: Path, config: dict) -> QuantInfo | None:
     if version not in FORMAT_VERSIONS or qc.get("format_version") != version:
         raise EdgeqError(f"{directory}/{MANIFEST}: format_version {version!r} (config.json says {qc.get('format_version')!r}); "
                          f"this edgeq reads {list(FORMAT_VERSIONS)}: upgrade edgeq or re-quantise")
-    kernel = m.get("kernel")
-    if kernel not in KERNELS or qc.get("kernel", kernel) != kernel:
-        raise EdgeqError(f"{directory}/{MANIFEST}: kernel {kernel!r} is not one this runtime runs ({', '.join(KERNELS)}); "
-                         f"re-quantise with a w4a16 scheme or upgrade edgeq")
+    kernel, cfg_kernel = m.get("kernel"), qc.get("kernel", m.get("kernel"))
+    for where, named in ((f"{directory}/config.json", cfg_kernel), (f"{directory}/{MANIFEST}", kernel)):
+        if named not in KERNELS:  # name the kernel the file really says (config.json first: the user edits it)
+            raise EdgeqError(f"{where}: kernel {named!r} is not one this runtime runs ({', '.join(RUNTIME_KERNELS)}); "
+                             f"re-quantise with `edgeq quantize` or upgrade edgeq")
     scheme = Scheme.parse(str(m.get("scheme", "")))
     if scheme.kernel != kernel or int(qc.get("group_size", scheme.group_size)) != scheme.group_size:
         raise EdgeqError(f"{directory}/{MANIFEST}: scheme {scheme} does not match kernel {kernel!r} / group_size "
@@ -71,10 +89,8 @@ def read_quant_info(directory: Path, config: dict) -> QuantInfo | None:
     if not isinstance(m.get("layout"), dict):
         raise EdgeqError(f"{directory}/{MANIFEST}: no layout record; re-quantise or `edgeq repack` the checkpoint")
     layout = TinygemmLayout.from_json(m["layout"])
-    stored_hash = (qc.get("layout") or {}).get("layout_hash")
-    if stored_hash != layout.layout_hash:
-        raise EdgeqError(f"{directory}: config.json layout_hash {str(stored_hash)[:12]}... differs from the manifest's "
-                         f"{layout.layout_hash[:12]}...; the checkpoint is inconsistent, re-quantise it")
+    if problem := config_layout_mismatch(qc.get("layout"), layout):
+        raise EdgeqError(f"{directory}: {problem}; the checkpoint is inconsistent, re-quantise it")
     modules = m.get("quantized_modules")
     if not isinstance(modules, list) or not modules or not all(isinstance(x, str) for x in modules):
         raise EdgeqError(f"{directory}/{MANIFEST}: quantized_modules must be a non-empty list of module names")

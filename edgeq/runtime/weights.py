@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from edgeq.errors import EdgeqError
+from edgeq.errors import DamagedCheckpointError, EdgeqError
 
 DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -61,6 +61,16 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _check_size(shard: Path, size: int, end_of_data: int) -> None:
+    """A safetensors file ends where its last tensor ends (the format allows no trailing bytes): a shard longer than
+    its header says was appended to or overwritten by another file (truncation fails the offsets check above)."""
+    if size != end_of_data:
+        raise DamagedCheckpointError(
+            f"{shard}: {size} bytes but its header describes {end_of_data} ({size - end_of_data:+d}); the file was "
+            f"changed after it was written: re-copy it or re-quantise"
+        )
+
+
 class MappedFiles:
     """All safetensors shards of a directory, mapped; ``get(name)`` returns a zero-copy tensor."""
 
@@ -93,6 +103,7 @@ class MappedFiles:
     def _index_shard(self, shard: Path) -> None:
         header, data_start = read_header(shard)
         size = shard.stat().st_size
+        end_of_data = data_start
         for name, h in header.items():
             try:
                 dtype = DTYPES[h["dtype"]]
@@ -109,6 +120,8 @@ class MappedFiles:
             if name in self.infos:
                 raise EdgeqError(f"{shard.name}: tensor {name} also appears in {Path(self.infos[name].file).name}")
             self.infos[name] = TensorInfo(name, str(shard), dtype, shape, data_start + begin, nbytes)
+            end_of_data = max(end_of_data, data_start + end)
+        _check_size(shard, size, end_of_data)
 
     def _map(self, file: str) -> mmap.mmap:
         if file not in self._maps:
