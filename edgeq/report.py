@@ -40,6 +40,7 @@ from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as w4a8_layout
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch, w4a8_scratch
 from edgeq.memory import Tensor as MemTensor
+from edgeq.runtime.qinfo import config_layout_mismatch
 from edgeq.scheme import Scheme
 
 SCHEMA_VERSION = 1
@@ -360,10 +361,20 @@ def _check_manifest(ckpt: Checkpoint, manifest: Manifest, problems: list[str]) -
     for key in ("scheme", "method", "kernel"):
         if q.get(key) != getattr(manifest, key):
             problems.append(f"config.json: quantization_config.{key} = {q.get(key)!r} but the manifest says {getattr(manifest, key)!r}")
-    cfg_hash = (q.get("layout") or {}).get("layout_hash") if isinstance(q.get("layout"), dict) else None
-    if cfg_hash != manifest.layout.get("layout_hash"):
-        problems.append(f"config.json: layout_hash {str(cfg_hash)[:12]} differs from the manifest's "
-                        f"{str(manifest.layout.get('layout_hash'))[:12]}")
+    if problem := _config_layout_problem(q.get("layout"), manifest):
+        problems.append(f"config.json: {problem} (load refuses the checkpoint)")
+
+
+def _config_layout_problem(record, manifest: Manifest) -> str | None:
+    """config.json's copy of the layout record must equal the manifest's in every field (the runtime's check,
+    :func:`edgeq.runtime.qinfo.config_layout_mismatch`); amx_w4a8 records have no permutations: equal dicts."""
+    if manifest.kernel == w4a8_layout.KERNEL:
+        return None if record == manifest.layout else "quantization_config.layout differs from the manifest's layout record"
+    try:
+        layout = tinygemm.TinygemmLayout.from_json(manifest.layout)
+    except EdgeqError:
+        return None  # the manifest's record itself is reported by _layout
+    return config_layout_mismatch(record, layout)
 
 
 def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems: list[str]) -> dict[str, QModule]:
@@ -856,6 +867,19 @@ def _verify(ckpt: Checkpoint, kind: str, manifest: Manifest | None, modules: dic
     return VerifyResult(len(ckpt.tensors), read, time.perf_counter() - t0, shards, tuple(roundtrip))
 
 
+def _config_problems(ckpt: Checkpoint, modules: dict[str, QModule]) -> list[str]:
+    """With --verify: the model config.json builds (on the meta device, as load builds it) must fit the tensors;
+    a hidden_size or layer geometry that contradicts them is refused at load, so it is a problem here too."""
+    from edgeq.runtime import loader, skeleton  # noqa: PLC0415 - transformers; only under --verify
+
+    try:
+        model = skeleton.build_meta_model(skeleton.load_config(ckpt.root), torch.bfloat16)
+    except EdgeqError as e:
+        return [str(e)]
+    shapes = {name: tuple(info.shape) for name, info in ckpt.tensors.items()}
+    return [f"{p} (load refuses it)" for p in loader.config_mismatches(model, shapes, {m: (q.n, q.k) for m, q in modules.items()})]
+
+
 def _stored_twice_data(ckpt: Checkpoint, recipe: Recipe, problems: list[str]) -> None:
     """With --verify: an untied float head that is a byte-for-byte copy of the embedding is the same tensor twice."""
     head = ckpt.tensors.get(recipe.head)
@@ -939,6 +963,8 @@ def inspect_checkpoint(
     if verify:
         verified = _verify(ckpt, kind, manifest, modules, problems)
         _stored_twice_data(ckpt, rec, problems)
+        if kind in ("edgeq", "hf"):
+            problems.extend(_config_problems(ckpt, modules))
     total = ckpt.nbytes
     return InspectReport(
         schema_version=SCHEMA_VERSION, path=str(ckpt.root), kind=kind, model=_model(ckpt.config, params),

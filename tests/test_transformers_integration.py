@@ -94,6 +94,8 @@ def test_quantised_modules_view_the_mapped_file(checkpoints, scheme):
         for t in packed:
             assert _mapped_file(t.data_ptr()) == shard, m.name
     assert model.edgeq.copied_bytes == 0 and model.edgeq.layout == "native"
+    for name, p in model.named_parameters():  # the rest, loaded by transformers: mapped too (safetensors' mmap)
+        assert _mapped_file(p.data_ptr()) == shard, name
     assert model.edgeq.mapped_bytes == sum(t.numel() * t.element_size() for m in quantised for t in
                                            ([m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16")
                                             else [m.qweight, m.scales, m.zeros]))
