@@ -202,6 +202,8 @@ def generate(
                                  "token ids, timings and compute paths."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help=QUIET_HELP),
     strict_layout: bool = typer.Option(False, "--strict-layout", help="Refuse a checkpoint packed for another layout."),
+    verify: bool = typer.Option(False, "--verify", help="Check every shard's sha256 against the manifest before "
+                                "generating (reads the whole checkpoint once; see docs/runtime.md)."),
 ) -> None:
     """Generate text, streamed to stdout; load info and tokens/s on stderr (--json: one JSON record instead)."""
     from edgeq.runtime.generate import generate_command
@@ -210,7 +212,7 @@ def generate(
     generate_command(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat,
                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, stop=stop, strict_layout=strict_layout,
                      as_json=as_json, quiet=quiet,
-                     threads=threads)
+                     threads=threads, verify=verify)
 
 
 @app.command()
@@ -230,11 +232,17 @@ def serve(
     as_json: bool = typer.Option(False, "--json", help="Startup as one JSON line on stdout (url, port, model, paths); "
                                  "uvicorn logs warnings only."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No startup line or request log (warnings still print)."),
+    verify: bool = typer.Option(False, "--verify", help="Check every shard's sha256 against the manifest before "
+                                "serving (reads the whole checkpoint once; see docs/runtime.md)."),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from edgeq.runtime.serve import serve_command
 
     path = str(resolve_model(model, revision))
+    if verify:  # before the server binds: a damaged checkpoint never answers a request
+        from edgeq.runtime.loader import verify_shards
+
+        verify_shards(Path(path))
     serve_command(path, host=host, port=port, max_model_len=max_model_len,
                   kv_cache_bytes=kv_cache_bytes, queue_size=queue_size, max_body_bytes=max_body_bytes,
                   model_name=model_name or display_name(model),  # a snapshot directory is named by its commit

@@ -249,18 +249,57 @@ def test_crossover_is_measured_then_cached(ckpts, tmp_path, monkeypatch):
     assert second.settings.prefill_crossover == first.settings.prefill_crossover
 
 
-# Greedy ids of "Once upon a time" (24 tokens) on the bundled fixture, w4a16-g128 minmax, AVX512 machines. The two
-# decode kernels round differently and part at step 12, where two tokens are within 1e-6 in logprob.
+# Greedy ids of "Once upon a time" (24 tokens) on the bundled fixture, w4a16-g128 minmax, pinned per compute path
+# that produced them: the bf16 GEMM of the prefill (oneDNN: AMX tiles, or AVX512-BF16 on AMD Zen 4) and the decode
+# kernel round differently, and greedy decoding meets near-ties (two tokens within 1e-6 in logprob at step 12 here;
+# on Zen 4 another step parts), so a sequence is only pinned on the path it was recorded on (AVX512 + AMX, the
+# default native ISA). Every machine checks the machine-independent property instead: each greedy token is, within
+# GREEDY_TOL, the argmax of the dequantised bf16 reference fed the same sequence.
 GOLDEN = {
-    "native_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 373, 290, 260, 462, 373, 200, 872,
-                      417, 1049, 260, 462, 15],
-    "tinygemm_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 402, 15, 222, 438, 200, 744, 290,
-                        260, 462, 373, 290, 260],
+    "AVX512+AMX": {
+        "native_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 373, 290, 260, 462, 373, 200, 872,
+                          417, 1049, 260, 462, 15],
+        "tinygemm_decode": [15, 200, 200, 589, 471, 290, 260, 462, 373, 290, 260, 462, 402, 15, 222, 438, 200, 744, 290,
+                            260, 462, 373, 290, 260],
+    },
 }
 
 
-def test_greedy_generation_is_deterministic(prose):
+def compute_path() -> str | None:
+    """The key of GOLDEN this machine reproduces: torch's CPU capability, +AMX when the CPU has AMX tiles (oneDNN's
+    bf16 GEMM uses them); None when the native ISA is forced (another decode kernel)."""
+    if os.environ.get("EDGEQ_NATIVE_ISA"):
+        return None
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return tinygemm.probe().cpu_capability + ("+AMX" if " amx_tile" in flags else "")
+
+
+@pytest.fixture(scope="module")
+def prose_reference(prose, tmp_path_factory):
+    return write_reference(prose, tmp_path_factory.mktemp("prose-ref") / "ref")
+
+
+# A greedy token's logit under the bf16 reference may fall short of that step's maximum by this much of the step's
+# largest |logit| (kernel rounding at a near-tie; observed <= 0.52% on the fixture on Zen 4, while the median gap
+# between the two most likely tokens is 3.5%, so a token that is not a near-tie winner fails).
+GREEDY_TOL = 0.015
+
+
+def assert_near_greedy(ref, prompt_ids: list[int], token_ids: list[int]) -> None:
+    """Each generated token's logit under the bf16 reference (teacher-forced on prompt + generated) is within
+    GREEDY_TOL x the largest |logit| of that step's maximum: greedy up to kernel rounding."""
+    logits = ref.forward(torch.tensor([prompt_ids + token_ids]), use_cache=False)[0].float()
+    steps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(token_ids)]
+    chosen = steps.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+    slack = steps.max(dim=1).values - chosen
+    assert bool((slack <= GREEDY_TOL * steps.abs().max(dim=1).values).all()), slack.tolist()
+
+
+def test_greedy_generation_is_deterministic(prose, prose_reference):
     lm = load(prose, prefill_threshold=4)
+    ref = load(prose_reference)
+    prompt_ids = encode_prompt(lm, "Once upon a time", chat=False)
+    golden = GOLDEN.get(compute_path())
     paths = ["native_decode", "tinygemm_decode"] if lm.runtime.native is not None else ["tinygemm_decode"]
     for path in paths:
         lm.runtime.native = lm.runtime.native if path == "native_decode" else None
@@ -268,8 +307,9 @@ def test_greedy_generation_is_deterministic(prose):
         a = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
         b = generate(lm, "Once upon a time", SamplingParams(max_tokens=24))
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == "length"
-        if tinygemm.probe().cpu_capability == "AVX512":
-            assert a.token_ids == GOLDEN[path]
+        assert_near_greedy(ref, prompt_ids, a.token_ids)
+        if golden is not None:
+            assert a.token_ids == golden[path]
         assert a.text == lm.tokenizer.decode(a.token_ids, skip_special_tokens=True)
         assert a.prefill_tokens_per_s > 0 and a.decode_tokens_per_s > 0
         assert lm.path_counts["dequant_prefill"] > 0 and lm.path_counts[path] > 0

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgeq.errors import EdgeqError
+from edgeq.checkpoint.safetensors_io import sha256_file
+from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import crossover, fused, lean, skeleton
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
-from edgeq.runtime.qinfo import QuantInfo, read_json, read_quant_info
+from edgeq.runtime.qinfo import MANIFEST, QuantInfo, read_json, read_quant_info
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
 from edgeq.runtime.sizes import format_bytes, parse_bytes
@@ -140,17 +141,23 @@ def cache_kwarg(model: nn.Module) -> str:
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
          prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-         decode_loop: str | None = None, decode_attention: str | None = None) -> LoadedModel:
+         decode_loop: str | None = None, verify: bool = False, decode_attention: str | None = None) -> LoadedModel:
     """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md.
 
     ``decode_loop``: "auto" (default; also ``$EDGEQ_DECODE_LOOP``) runs the lean decoder when the family is
     supported, "lean" insists on it (an error naming the reason if it cannot run), "transformers" keeps the model's
     forward for every token (the comparison arm). ``decode_attention``: the lean decoder's single-query attention,
     "auto" (default; also ``$EDGEQ_DECODE_ATTN``: edgeq's native kernel where it runs), "native" or "sdpa" (torch's,
-    bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.attention_choice`."""
+    bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.attention_choice`.
+
+    Always checked (cheap): every shard's size against its header, every scale and zero of the quantised modules
+    finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
+    (:func:`verify_shards`; it reads the whole checkpoint once, see docs/runtime.md for the cost)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
+    if verify:
+        verify_shards(path)
     loop = _decode_loop_choice(decode_loop)
     if threads is not None:
         torch.set_num_threads(int(threads))
@@ -163,6 +170,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         raise EdgeqError(f"{path}: edgeq checkpoints run in bfloat16 (the kernel's activation type), not {dtype}")
     config = skeleton.load_config(path)
     files = MappedFiles(path)
+    if info:
+        check_scales(files, info.quantized_modules)
     model = skeleton.build_meta_model(config, dtype)
     counts: Counter = Counter()
     runtime = None
@@ -223,6 +232,77 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
                        cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files, decoder=decoder)
 
 
+SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale and zero), amx_w4a8 (fp32 scales)
+
+
+def check_scales(files: MappedFiles, modules) -> None:
+    """Every scale and zero of the quantised ``modules`` must be finite: one NaN/Inf scale turns every output of its
+    group into NaN/Inf (then the logits). Reads only the scales (about 3% of a g128 checkpoint). W4A8 zero points
+    are int8, finite by construction."""
+    for name in modules:
+        for suffix in SCALE_SUFFIXES:
+            if f"{name}{suffix}" not in files:
+                continue
+            t = files.get(f"{name}{suffix}")
+            bad = int(t.numel() - torch.isfinite(t).sum()) if t.is_floating_point() else 0
+            if bad:
+                shard = Path(files.infos[f"{name}{suffix}"].file).name
+                raise DamagedCheckpointError(
+                    f"{shard}: tensor {name}{suffix}: {bad} NaN/Inf value(s) in the scales/zeros; the file is damaged: "
+                    f"re-copy it or re-quantise (`edgeq inspect --verify` lists every damaged tensor)")
+
+
+def verify_shards(path: Path) -> None:
+    """Compare every shard's sha256 with the one the manifest recorded when it was written (reads every byte once).
+    Catches what the cheap checks cannot: flipped bits in packed weights, where every bit pattern is a valid value."""
+    path = Path(path)
+    if not (path / MANIFEST).exists():
+        raise EdgeqError(f"{path}: --verify needs {MANIFEST} (the shards' sha256); a plain Hugging Face checkpoint has "
+                         f"none: run without --verify")
+    shards = read_json(path / MANIFEST).get("shards")
+    if not isinstance(shards, dict) or not shards:
+        raise EdgeqError(f"{path}/{MANIFEST}: no shards record (file -> sha256); re-quantise the checkpoint")
+    present = {f.name for f in path.glob("*.safetensors")}
+    extra = sorted(present - set(shards))
+    if extra:
+        raise DamagedCheckpointError(f"{path / extra[0]}: not listed in {MANIFEST}'s shards; remove it or re-quantise")
+    for name, want in sorted(shards.items()):
+        if name not in present:
+            raise DamagedCheckpointError(f"{path}/{MANIFEST}: lists shard {name}, which is missing; re-copy the checkpoint")
+        got = sha256_file(path / name)
+        if got != want:
+            raise DamagedCheckpointError(
+                f"{path / name}: sha256 {got[:12]}... does not match the manifest's {str(want)[:12]}...; the file changed "
+                f"after it was written (disk, copy or edit): re-copy it or re-quantise")
+
+
+def config_mismatches(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantized: dict[str, tuple[int, int]]) -> list[str]:
+    """What load refuses when config.json contradicts the tensors: for each quantised module ``(N, K)`` against the
+    Linear the config builds (:func:`packed_shape_error`), for each other stored tensor its shape against the
+    parameter or buffer of that name. ``model`` is the meta model of config.json; headers only, nothing read."""
+    problems = []
+    for name, nk in quantized.items():
+        try:
+            problem = packed_shape_error(name, nk, skeleton.quantized_target(model, name))
+        except EdgeqError as e:
+            problem = str(e)
+        if problem:
+            problems.append(problem)
+    expected = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    for name, shape in shapes.items():
+        want = expected.get(name)
+        if want is not None and tuple(shape) != want:
+            problems.append(f"{name}: checkpoint shape {list(shape)} but config.json implies {list(want)}")
+    return problems
+
+
+def packed_shape_error(name: str, nk: tuple[int, int], old: nn.Linear) -> str | None:
+    """None when a packed weight of ``(N, K)`` fits the Linear ``old`` that config.json builds; else why not."""
+    if tuple(nk) == (old.out_features, old.in_features):
+        return None
+    return f"{name}: packed weight is [{nk[0]}, {nk[1]}] but config.json implies [{old.out_features}, {old.in_features}]"
+
+
 def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
     """(choice, where it came from: "decode_loop" or "$EDGEQ_DECODE_LOOP")."""
     source = "decode_loop"
@@ -267,8 +347,8 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
         old = skeleton.quantized_target(model, name)
         qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
         n, k = tinygemm.check_shapes(name, qweight, sz, g)
-        if (n, k) != (old.out_features, old.in_features):
-            raise EdgeqError(f"{name}: packed weight is [{n}, {k}] but config.json implies [{old.out_features}, {old.in_features}]")
+        if problem := packed_shape_error(name, (n, k), old):
+            raise EdgeqError(problem)
         if foreign:
             qweight = tinygemm.pack(tinygemm.unpack(qweight, n, k, info.layout), here)
             copied += qweight.numel()

@@ -1,0 +1,222 @@
+"""A damaged checkpoint never produces text with exit 0 (docs/failures.md, "Damaged checkpoints").
+
+Each test copies the quantised bundled model, damages one thing the way a disk, a copy or an edit would, and checks
+what the user sees: load refuses (cheap checks: non-finite scales, a shard longer than its header; ``verify=True``:
+sha256), generation stops with an error naming the first module whose output is not finite, inspect reports what
+load refuses. Errors go through the real CLI (exit code and the one stderr line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeq.cli import main
+from edgeq.errors import DamagedCheckpointError, EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.report import inspect_checkpoint
+from edgeq.runtime import SamplingParams, generate, load, repack
+from edgeq.runtime.generate import Generation, encode_prompt
+from edgeq.runtime.weights import MappedFiles
+from test_runtime_helpers import FIXTURE, prose_checkpoint
+
+PROMPT = "Once upon a time"
+BF16_MAX = torch.finfo(torch.bfloat16).max  # finite, but 8 * it overflows: every logit of the head is +-inf
+
+
+@pytest.fixture(scope="module")
+def prose(tmp_path_factory):
+    return prose_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """A private $EDGEQ_CACHE_DIR (the crossover probe of a CLI load writes there, never to ~/.cache) that reuses
+    the built native kernels of the real one (a fresh build takes minutes)."""
+    real = Path(os.environ.get("EDGEQ_CACHE_DIR") or Path.home() / ".cache" / "edgeq")
+    mine = tmp_path / "cache"
+    mine.mkdir()
+    for sub in ("native", "native_w4a8"):
+        if (real / sub).is_dir():
+            (mine / sub).symlink_to(real / sub)
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(mine))
+    return mine
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _poke(directory: Path, name: str, fn) -> None:
+    """Rewrite tensor ``name`` in place in its shard (the header and every other byte unchanged): ``fn`` edits a
+    copy of the tensor, which is written back at the same offset."""
+    info = MappedFiles(directory).infos[name]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset)
+        t = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=info.dtype).view(info.shape).clone()
+        fn(t)
+        f.seek(info.offset)
+        f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _edit_config(directory: Path, fn) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    fn(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """The real entry point in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def _subprocess_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m edgeq.cli``: a fresh interpreter, so warnings are printed exactly as a user sees them."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # EDGEQ_CACHE_DIR: the cache_dir fixture's
+    return subprocess.run([sys.executable, "-m", "edgeq.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+# -------------------------------------------------------------------------------------------------- load: cheap checks
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3.4e38])  # 3.4e38 rounds to +inf in bf16
+@pytest.mark.parametrize("part", [0, 1], ids=["scale", "zero"])
+def test_non_finite_scale_or_zero_is_refused_at_load(prose, tmp_path, value, part):
+    bad = _copy(prose, tmp_path / "bad")
+    name = "model.layers.1.mlp.down_proj.scales_and_zeros"
+    _poke(bad, name, lambda t: t[0, 5].__setitem__(part, value))
+    with pytest.raises(DamagedCheckpointError, match=rf"model.safetensors: tensor {name}: 1 NaN/Inf value"):
+        load(bad, prefill_threshold=4)
+
+
+def test_a_shard_longer_than_its_header_is_refused(prose, tmp_path, capsys):
+    bad = _copy(prose, tmp_path / "bad")
+    with open(bad / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    code, out, err = _cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
+    assert code == 2 and out == ""
+    assert "model.safetensors" in err and "but its header describes" in err and "(+8)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------------ verify=True
+
+
+def test_verify_finds_flipped_bytes_in_packed_weights(prose, tmp_path, capsys):
+    """Every byte pattern is a valid pair of nibbles: only the sha256 can tell; without --verify it loads."""
+    bad = _copy(prose, tmp_path / "bad")
+    _poke(bad, "model.layers.0.self_attn.q_proj.qweight", lambda t: t[:4].bitwise_xor_(0xFF))
+    load(bad, prefill_threshold=4)  # the cheap checks pass: the bytes are plausible
+    with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: sha256 [0-9a-f]{12}\.\.\. does not match"):
+        load(bad, prefill_threshold=4, verify=True)
+    code, out, err = _cli(["generate", str(bad), PROMPT, "--verify"], capsys)
+    assert code == 2 and out == "" and "sha256" in err and "re-copy it or re-quantise" in err
+    assert load(prose, prefill_threshold=4, verify=True).settings.quantized  # an intact checkpoint passes
+
+
+def test_verify_refuses_what_it_cannot_check(prose, tmp_path):
+    with pytest.raises(EdgeqError, match="--verify needs edgeq_manifest.json"):
+        load(FIXTURE, verify=True)
+    extra = _copy(prose, tmp_path / "extra")
+    shutil.copy(extra / "model.safetensors", extra / "model-00002.safetensors")
+    with pytest.raises(DamagedCheckpointError, match="model-00002.safetensors: not listed in edgeq_manifest.json"):
+        load(extra, verify=True)
+
+
+# -------------------------------------------------------------------------------------------- generation: NaN/Inf
+
+
+def test_head_scales_at_the_bf16_maximum_stop_generation_naming_the_head(prose, tmp_path):
+    """Finite scales (the load check passes) whose products overflow: the first logits are +-inf. Before this
+    check, greedy argmax over them streamed token 0 (empty text) with exit 0."""
+    bad = _copy(prose, tmp_path / "bad")
+    _poke(bad, "lm_head.scales_and_zeros", lambda t: t[..., 0].fill_(BF16_MAX))
+    lm = load(bad, prefill_threshold=4)
+    with pytest.raises(DamagedCheckpointError, match=r"logits of generated token 1 are not finite.*first non-finite output: lm_head\."):
+        generate(lm, PROMPT, SamplingParams(max_tokens=8))
+    r = _subprocess_cli("generate", str(bad), PROMPT, "--max-tokens", "8")
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""  # no text at all
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "first non-finite output: lm_head" in last and "edgeq inspect --verify" in last
+
+
+def test_a_damaged_embedding_row_stops_the_decode_loop_at_that_token(prose, tmp_path):
+    """The fault shows only when a token whose embedding row is NaN is fed back (a decode step, the lean loop):
+    generation streams the tokens before it, then stops naming the embedding, never a stream of empty tokens."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    lm = load(prose, prefill_threshold=4)
+    clean = generate(lm, PROMPT, params)
+    prompt_ids = encode_prompt(lm, PROMPT, chat=False)
+    k = next(i for i, t in enumerate(clean.token_ids) if t not in prompt_ids and t not in clean.token_ids[:i])
+    bad = _copy(prose, tmp_path / "bad")
+    _poke(bad, "model.embed_tokens.weight", lambda t: t[clean.token_ids[k]].fill_(float("nan")))
+    lm = load(bad, prefill_threshold=4)
+    assert lm.settings.decode_loop == "lean"
+    g = Generation(lm, prompt_ids, params)
+    streamed = []
+    with pytest.raises(DamagedCheckpointError, match=rf"generated token {k + 2} are not finite.*first non-finite output: model\.embed_tokens\."):
+        for d in g:
+            streamed.append(d)
+    assert [t for d in streamed for t in d.token_ids] == clean.token_ids[: k + 1]  # the good prefix, nothing after
+
+
+# --------------------------------------------------------------------------------------- config.json contradictions
+
+
+def test_kernel_error_names_the_kernel_config_json_says(prose, tmp_path, capsys):
+    bad = _copy(prose, tmp_path / "bad")
+    _edit_config(bad, lambda c: c["quantization_config"].update(kernel="marlin"))
+    code, out, err = _cli(["generate", str(bad), PROMPT], capsys)
+    assert code == 2 and out == ""
+    assert "config.json: kernel 'marlin' is not one this runtime runs (tinygemm_w4a16, amx_w4a8)" in err
+
+
+@pytest.mark.parametrize("key, value", [("block_n", 32), ("cpu_capability", "AVX2"), ("torch_version", "2.5.0"),
+                                        ("op", "aten::other")])
+def test_every_field_of_the_config_layout_record_is_checked(prose, tmp_path, capsys, key, value):
+    bad = _copy(prose, tmp_path / "bad")
+    _edit_config(bad, lambda c: c["quantization_config"]["layout"].update({key: value}))
+    with pytest.raises(EdgeqError, match=rf"config.json quantization_config.layout.{key} .* differs from the manifest's"):
+        load(bad, prefill_threshold=4)
+    code, out, err = _cli(["inspect", str(bad), "--strict"], capsys)
+    assert code == 1 and f"quantization_config.layout.{key}" in out + err
+
+
+def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, tmp_path, capsys):
+    bad = _copy(prose, tmp_path / "bad")
+    _edit_config(bad, lambda c: c.update(hidden_size=128))
+    with pytest.raises(EdgeqError, match="config.json implies"):
+        load(bad, prefill_threshold=4)
+    problems = inspect_checkpoint(bad, verify=True).problems
+    assert any("model.embed_tokens.weight: checkpoint shape [4096, 256] but config.json implies [4096, 128]" in p
+               for p in problems), problems
+    assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)
+    code, _, err = _cli(["inspect", str(bad), "--verify", "--strict"], capsys)
+    assert code == 1 and "--strict" in err
+    assert not [p for p in inspect_checkpoint(prose, verify=True).problems if "config.json implies" in p]
+
+
+# ------------------------------------------------------------------------------------------------------- log lines
+
+
+def test_the_repack_warning_is_one_message_without_source_paths(prose, tmp_path):
+    foreign = tmp_path / "foreign"
+    # 16-row blocks of adjacent rows: valid bytes, and no machine's own layout (so load repacks on every machine)
+    repack(prose, foreign, layout=tinygemm.TinygemmLayout(block_n=16, perms=((16, tuple(range(16))),), cpu_capability="test"))
+    r = _subprocess_cli("generate", str(foreign), PROMPT, "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if "REPACKED IN MEMORY" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: REPACKED IN MEMORY"), r.stderr
+    assert ".py:" not in r.stderr and "warnings.warn" not in r.stderr
