@@ -1,0 +1,261 @@
+"""The vLLM plugin (edgeq/integrations/vllm.py, docs/vllm.md).
+
+- Slicing and split rules (edgeq/integrations/vllm_slices.py): pure torch, run in every environment.
+- Serving (skipped without vLLM; CI runs them in the second environment, .ci/run): the bundled model quantised with
+  `edgeq quantize --scheme w4a16-g128` and `--scheme w4a8-g128`, served by vLLM's offline ``LLM(...)`` with greedy
+  sampling, gives the same 32 tokens as ``edgeq.runtime.load`` on several prompts; tensor_parallel_size=2 gives the
+  same tokens as 1; a checkpoint packed for another layout is repacked with the runtime's warning, or refused under
+  ``EDGEQ_STRICT_LAYOUT=1`` with the runtime's message, never run as is.
+
+Each engine runs in a child process (this file run as a script: vLLM's engine spawns processes and wants a
+``__main__`` guard), which prints one ``EDGEQ_RESULT {json}`` line; one engine serves all prompts of a case.
+Both sides run the W4A16 kernel path for every M (``EDGEQ_PREFILL_THRESHOLD=1024`` / ``prefill_threshold=1024``):
+vLLM batches the prompts of one call into one prefill and the decode steps of all sequences into one M, where
+edgeq's runtime runs each prompt alone; the kernel computes each row independently of M, the dequantise + GEMM
+path's bf16 GEMM does not promise that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.layouts import tinygemm
+from edgeq.layouts import w4a8 as w4a8_layout
+from edgeq.quantize.w4a8 import quantize_w4a8
+
+sys.path.insert(0, str(Path(__file__).parent))
+from edgeq.integrations import vllm_slices as cuts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "edgeq" / "data" / "tiny-prose"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install -e '.[vllm]'; CI's second environment)")
+THRESHOLD = 1024  # the kernel path for every M on both sides (module docstring)
+MAX_TOKENS = 32
+PROMPTS = ["The cat", "Once upon a time, in a small village,", "def main():\n    return", "Python is"]
+
+
+# --- slices: pure torch ----------------------------------------------------------------------------------------------
+
+
+def _q(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def _adjacent_tail_layout(block_n: int, full: str = "halves") -> tinygemm.TinygemmLayout:
+    """A layout of ``block_n``-row blocks with interleaved halves and adjacent tails (AVX512/AVX2-like)."""
+    halves = tuple(v for j in range(block_n // 2) for v in (j, j + block_n // 2))
+    perms = [(s, tuple(range(s))) for s in range(16, block_n, 16)] + [(block_n, halves)]
+    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple(perms), cpu_capability=f"test{block_n}")
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("rows,cols", [((0, 208), (0, 256)), ((64, 208), (0, 256)), ((0, 192), (128, 256)),
+                                       ((64, 208), (128, 384)), ((192, 208), (0, 128))])
+def test_tinygemm_cut_equals_packing_the_cut(block_n, rows, cols):
+    """Rows a..b (block starts, or N with the 16-row tail), inputs c..d of the packed bytes are the packing of
+    q[a:b, c:d] alone; bytes outside the cut are never read (they are garbage here)."""
+    layout = _adjacent_tail_layout(block_n)
+    n, k = 208, 384  # 3 x 64 + a 16-row tail (6 x 32 + 16 on 32-row blocks)
+    q = _q(n, k)
+    packed = tinygemm.pack(q, layout)
+    (a, b), (c, d) = rows, cols
+    want = tinygemm.pack(q[a:b, c:d].contiguous(), layout)
+    out = torch.empty(b - a, (d - c) // 2, dtype=torch.uint8)
+    cuts.copy_tinygemm(out, packed, n, k, rows, cols, layout)
+    assert torch.equal(out, want)
+    # the bytes the cut needs: those holding a nibble of rows a..b, inputs c..d; poison every other byte, cut again
+    inside = torch.zeros(n, k, dtype=torch.uint8)
+    inside[a:b, c:d] = 1
+    poisoned = packed.masked_fill(tinygemm.pack(inside, layout) == 0, 0xA5)
+    out2 = torch.zeros_like(out)
+    cuts.copy_tinygemm(out2, poisoned, n, k, rows, cols, layout)
+    assert torch.equal(out2, want)
+
+
+def test_tinygemm_cut_repacks_a_foreign_layout():
+    stored, here = _adjacent_tail_layout(32), _adjacent_tail_layout(64)
+    n, k = 208, 256
+    q = _q(n, k, seed=1)
+    got = cuts.tinygemm_cut(tinygemm.pack(q, stored), n, k, (64, 208), (128, 256), stored, here)
+    assert torch.equal(got, tinygemm.pack(q[64:208, 128:256].contiguous(), here))
+
+
+def test_tinygemm_cut_refuses_rows_off_the_blocks():
+    layout = _adjacent_tail_layout(64)
+    q = tinygemm.pack(_q(192, 128), layout)
+    out = torch.empty(32, 64, dtype=torch.uint8)
+    with pytest.raises(EdgeqError, match=r"rows 32\.\.64 of N=192 do not fall on the checkpoint's 64-row layout blocks"):
+        cuts.copy_tinygemm(out, q, 192, 128, (32, 64), (0, 128), layout)
+
+
+@pytest.mark.parametrize("g", [32, 128])
+def test_w4a8_cut_equals_packing_the_cut(g):
+    n, k = 128, 512
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+    qw = quantize_w4a8(w, g, name="t")
+    whole = w4a8_layout.pack(qw.q, qw.scales, qw.zeros, g, name="t")
+    a, b, c, d = 32, 96, 256, 512
+    part = w4a8_layout.pack(qw.q[a:b, c:d].contiguous(), qw.scales[c // g : d // g, a:b].contiguous(),
+                            qw.zeros[c // g : d // g, a:b].contiguous(), g, name="t")
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(cuts.w4a8_cut(name, getattr(whole, name), (a, b), (c, d), g), getattr(part, name)), name
+
+
+def test_split_errors_name_the_layer_shape_and_sizes_that_work():
+    with pytest.raises(EdgeqError) as e:
+        cuts.check_split("model.layers.0.mlp.gate_up_proj", [768, 768], 256, 8, row_parallel=False, block_n=64,
+                         group_size=128)
+    assert str(e.value) == (
+        "model.layers.0.mlp.gate_up_proj: [1536, 256] (column-parallel (N split), shards [768, 768]) cannot be split "
+        "for tensor_parallel_size=8: shard 0 (768 rows) / 8 ranks = 96 rows is not a whole number of 64-row layout "
+        "blocks; tensor_parallel_size 1, 2, 3, 4, 6, 12 works for this layer")
+    with pytest.raises(EdgeqError, match=r"\[256, 768\] \(row-parallel \(K split\).*tensor_parallel_size=4: K=768 / 4 "
+                                         r"ranks is not a whole number of 128-input groups; tensor_parallel_size 1, 2, 3, 6 works"):
+        cuts.check_split("model.layers.0.mlp.down_proj", [256], 768, 4, row_parallel=True, block_n=64, group_size=128)
+    # a fused layer whose first shard has a tail cannot be served even on one rank: the kernel reads one tail, last
+    assert "shard 0 (80 rows) / 1 ranks = 80 rows" in cuts.split_problem([80, 64], 128, 1, row_parallel=False,
+                                                                          block_n=64, group_size=128)
+    assert cuts.split_problem([256, 128, 128], 256, 2, row_parallel=False, block_n=64, group_size=128) is None
+    assert cuts.split_problem([4096], 256, 1, row_parallel=False, block_n=64, group_size=128) is None
+
+
+def test_runtime_decode_matches_its_full_forward_under_this_transformers(fixture_quantized):
+    """Greedy decoding through the static cache picks, at every step, the argmax of one full forward over the same
+    tokens (no cache). Under transformers 5.19 (vLLM's pin) the forward's cache argument is ``past_key_values``; the
+    runtime passed ``cache=``, which that version swallowed, and decoding degenerated (``[417, 417, 417, ...]``)."""
+    from edgeq.runtime.generate import generate_ids
+    from edgeq.runtime.loader import load
+
+    lm = load(fixture_quantized, prefill_threshold=THRESHOLD, max_model_len=128)
+    prompt = [1287, 290]  # "Python is"
+    ids = generate_ids(lm, prompt, 12)[0]
+    logits = lm.forward(torch.tensor([prompt + ids]), use_cache=False)[0]
+    assert ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+# --- serving: one vLLM engine per case, in a child process ----------------------------------------------------------
+
+
+def _serve(path: Path, tp: int, prompts: list[list[int]], extra_env: dict | None = None) -> tuple[dict | None, str]:
+    """Run this file as a script: one LLM(...) over ``path``; returns (result or None, the child's stderr)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "EDGEQ_PREFILL_THRESHOLD": str(THRESHOLD),
+           "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))  # one core per rank
+    arg = json.dumps({"path": str(path), "tp": tp, "prompts": prompts, "max_tokens": MAX_TOKENS})
+    proc = subprocess.run([sys.executable, __file__, arg], capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("EDGEQ_RESULT "):
+            return json.loads(line.removeprefix("EDGEQ_RESULT ")), proc.stderr
+    return None, proc.stderr + proc.stdout
+
+
+def _child(arg: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(arg)
+    llm = LLM(model=spec["path"], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+              tensor_parallel_size=spec["tp"], seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+    result = [{"ids": list(o.outputs[0].token_ids),
+               "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+              for o in outs]
+    print("EDGEQ_RESULT " + json.dumps(result), flush=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The bundled model quantised by the CLI with both schemes (once per module)."""
+    from edgeq.cli import main
+
+    root = tmp_path_factory.mktemp("vllm")
+    out = {}
+    for scheme in ("w4a16-g128", "w4a8-g128"):
+        out[scheme] = root / scheme
+        try:
+            main(["quantize", str(FIXTURE), "-o", str(out[scheme]), "--scheme", scheme])
+        except SystemExit as e:
+            assert e.code in (0, None), f"edgeq quantize --scheme {scheme} exited {e.code}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(FIXTURE))
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def _runtime_tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from edgeq.runtime.generate import generate_ids
+    from edgeq.runtime.loader import load
+
+    lm = load(path, prefill_threshold=THRESHOLD, max_model_len=512)
+    return [generate_ids(lm, p, MAX_TOKENS)[0] for p in prompts]
+
+
+def _check_served(result, log: str, want: list[list[int]]) -> None:
+    assert result is not None, f"vLLM did not serve the checkpoint:\n{log[-4000:]}"
+    got = [r["ids"] for r in result]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"prompt {PROMPTS[i]!r}: vLLM {g} != edgeq.runtime {w}"
+    assert all(len(r["logprobs"]) == MAX_TOKENS for r in result)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a8-g128"])
+def test_vllm_serves_the_same_tokens_as_the_runtime(checkpoints, prompt_ids, scheme):
+    """32 greedy tokens on every prompt, vLLM (tp=1) == edgeq.runtime.load, for both kernels."""
+    result, log = _serve(checkpoints[scheme], 1, prompt_ids)
+    _check_served(result, log, _runtime_tokens(checkpoints[scheme], prompt_ids))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_tensor_parallel_2_gives_the_same_tokens(checkpoints, prompt_ids):
+    """tp=2 splits every column-parallel layer on 64-row blocks and every row-parallel one on 128-input groups."""
+    path = checkpoints["w4a16-g128"]
+    result, log = _serve(path, 2, prompt_ids)
+    _check_served(result, log, _runtime_tokens(path, prompt_ids))
+
+
+def _foreign_layout() -> tinygemm.TinygemmLayout:
+    """A valid layout that is not this machine's: 32-row blocks here on AVX512, 64-row ones on a 32-row machine."""
+    here = tinygemm.probe()
+    return _adjacent_tail_layout(32 if here.block_n != 32 else 64)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_foreign_layout_is_repacked_with_the_warning_or_refused(checkpoints, prompt_ids, tmp_path):
+    from edgeq.runtime.repack import repack
+
+    native = checkpoints["w4a16-g128"]
+    foreign = tmp_path / "foreign"
+    report = repack(native, foreign, layout=_foreign_layout())
+    assert report.changed
+    result, log = _serve(foreign, 1, prompt_ids[:2], {"EDGEQ_STRICT_LAYOUT": "1"})
+    assert result is None
+    assert "run `edgeq repack` on it, or load without EDGEQ_STRICT_LAYOUT=1 to repack in memory" in log
+    result, log = _serve(foreign, 1, prompt_ids[:2])
+    assert "LayoutRepackWarning: REPACKED IN MEMORY: checkpoint layout" in log
+    assert "repacking 29 tensors took" in log  # 4 layers x (qkv as q, k, v + o + gate, up + down) + the head
+    _check_served(result, log, _runtime_tokens(native, prompt_ids[:2]))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
