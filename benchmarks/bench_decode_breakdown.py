@@ -1,16 +1,17 @@
 """Where one decode step's time goes: kernel matmuls, attention, the rest of the ops, and what is left (Python,
-dispatch, OpenMP fork/join), at given context lengths, for each decode-attention arm, in one process.
+dispatch, OpenMP fork/join), at given context lengths, for each arm of the step's ops, in one process.
 
 For each context length: the prompt (random ids) is prefilled once per pass, then ``--steps`` greedy decode steps
-(``lm.decode_step`` + argmax, as ``edgeq.runtime.generate_ids`` does) are timed. Arms (``--attention``: edgeq's
-native single-query kernel and torch's SDPA) switch the loaded decoder's attention in place, so both arms use the
+(``lm.decode_step`` + argmax, as ``edgeq.runtime.generate_ids`` does) are timed. Arms (``--ops``: edgeq's native
+decode ops, or torch's eager ops with SDPA) switch the loaded decoder's ops in place, so both arms use the
 same mapped weights and cache; they are interleaved pass by pass (order rotated), ``--passes`` times, median [min-max]
 reported. Then one profiled run per arm and context (torch.profiler, self CPU time per op, summed per token):
 
 - ``matmul kernel``: the quantised projections (``edgeq::int4_mm``, aten's int4 op, the W4A8 ops, bf16 linears);
 - ``head``: the same ops whose weight has the vocabulary's rows;
 - ``attention``: ``edgeq::decode_attn`` or SDPA;
-- ``norms, RoPE, elementwise``: every other aten op (RMSNorm, RoPE, cache writes, residual adds, silu, mul);
+- ``norms, RoPE, elementwise``: every other op (RMSNorm, RoPE, cache writes, residual adds, silu, mul; the native
+  ``edgeq::add_rms_norm`` and ``edgeq::rope_to_cache``);
 - ``argmax``: the greedy pick;
 - ``left``: the unprofiled step time minus all of the above (Python, dispatch, OpenMP fork/join; the profiler
   inflates op times a little, so this is a lower estimate).
@@ -104,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--contexts", default="512,2048")
-    ap.add_argument("--attention", default="native,sdpa", help="arms: native, sdpa")
+    ap.add_argument("--ops", default="native,torch", help="arms: native, torch (edgeq.runtime.lean.ops_choice)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -112,15 +113,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from edgeq.runtime import load
-    from edgeq.runtime.lean import attention_choice
+    from edgeq.runtime.lean import ops_choice
 
     contexts = [int(c) for c in args.contexts.split(",")]
-    arms = [a.strip() for a in args.attention.split(",")]
+    arms = [a.strip() for a in args.ops.split(",")]
     for arm in arms:
-        attention_choice(arm)  # an arm that cannot run here is an error before anything is timed
+        ops_choice(arm)  # an arm that cannot run here is an error before anything is timed
     lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
               kv_cache_bytes="1GiB",
-              decode_attention=arms[0])
+              decode_ops=arms[0])
     if lm.decoder is None:
         raise SystemExit(f"the lean decoder does not run this model: {lm.settings.decode_loop_reason}")
     vocab = int(lm.config.vocab_size)
@@ -132,7 +133,7 @@ def main() -> None:
         for c in contexts:
             order = arms[p % len(arms):] + arms[: p % len(arms)]
             for a in order:
-                lm.decoder.attention = a
+                lm.decoder.ops = a
                 token = _prefill(lm, c, vocab)
                 _steps(lm, token, 2)  # warm
                 times[(c, a)].append(_steps(lm, token, args.steps) / args.steps * 1e3)
@@ -141,7 +142,7 @@ def main() -> None:
     prof = {}
     for c in contexts:
         for a in arms:
-            lm.decoder.attention = a
+            lm.decoder.ops = a
             prof[(c, a)] = _profile(lm, c, vocab, max(8, args.steps // 2))
     finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -151,7 +152,7 @@ def main() -> None:
           f"decode path {s.decode_path}, loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed "
           f"passes {cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
     print(f"kernel only (the step's {7 * len(lm.decoder.layers) + 1} linear calls replayed): {kernel_ms:.2f} ms/token\n")
-    print("| context | attention | step ms/token, median [min-max] | tok/s | outside the matmuls | "
+    print("| context | ops | step ms/token, median [min-max] | tok/s | outside the matmuls | "
           + " | ".join(CATEGORIES) + " | left |")
     print("|---|---|---|---|---|" + "---|" * (len(CATEGORIES) + 1))
     rows = []
@@ -161,7 +162,7 @@ def main() -> None:
             med = statistics.median(t)
             cats = prof[(c, a)]
             left = med - sum(cats.values())
-            rows.append(dict(context=c, attention=a, step_ms=med, step_min=min(t), step_max=max(t),
+            rows.append(dict(context=c, ops=a, step_ms=med, step_min=min(t), step_max=max(t),
                              kernel_only_ms=kernel_ms, outside_ms=med - kernel_ms, categories=cats, left_ms=left))
             print(f"| {c} | {a} | {med:.2f} [{min(t):.2f}-{max(t):.2f}] | {1e3 / med:.1f} | {med - kernel_ms:.2f} | "
                   + " | ".join(f"{cats.get(k, 0.0):.2f}" for k in CATEGORIES) + f" | {left:.2f} |")

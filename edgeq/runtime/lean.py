@@ -14,10 +14,10 @@ activation buffers of one token. A step writes into those with ``out=`` variants
 a step allocates are the outputs of ops that have no ``out=`` form (the int4 kernel's result of each projection and
 of the head, and SDPA's result when SDPA runs: docs/runtime.md counts them).
 
-Attention (:func:`attention_choice`, ``settings.decode_attention``): by default edgeq's native single-query kernel
+Attention (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native single-query kernel
 (``edgeq.runtime.native.decode_attn``: fp32 softmax over the cache read in place, one rounding), several times
 faster than torch's flash-attention CPU kernel for one query, and close to it, not bit-equal (tests/test_lean.py
-bounds the logits); ``decode_attention="sdpa"`` keeps SDPA. With SDPA every op repeats the transformers computation
+bounds the logits); ``decode_ops="torch"`` keeps SDPA. With SDPA every op repeats the transformers computation
 in the same order and dtype, so the logits are bit-identical to the transformers forward on the same cache
 (tests/test_lean.py), except on sliding-window layers past the window (SDPA over the window's slice instead of a
 masked full row: equal within bf16 rounding). Per layer, with x the bf16 residual [1, H]::
@@ -46,8 +46,8 @@ from torch.nn import functional as F
 from edgeq.errors import EdgeqError
 from edgeq.runtime import native
 
-ENV_DECODE_ATTN = "EDGEQ_DECODE_ATTN"
-DECODE_ATTNS = ("auto", "native", "sdpa")
+ENV_DECODE_OPS = "EDGEQ_DECODE_OPS"
+DECODE_OPS = ("auto", "native", "torch")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -130,7 +130,7 @@ class _Layer:
     """References to one decoder layer's tensors and modules (no copies), and its slice of the KV cache."""
 
     __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "w_in", "eps_in", "w_post", "eps_post", "w_qn", "w_kn",
-                 "eps_qk", "window", "keys", "values", "cache_layer", "scale")
+                 "eps_qk", "window", "keys", "values", "cache_layer", "scale", "eps_in_f", "eps_post_f")
 
     def __init__(self, layer: nn.Module, cache_layer, family: str, config, counts):
         attn, mlp = layer.self_attn, layer.mlp
@@ -138,6 +138,8 @@ class _Layer:
         self.gate, self.up, self.down = (_linear(m, counts) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         self.w_in, self.eps_in = layer.input_layernorm.weight, _eps(layer.input_layernorm)
         self.w_post, self.eps_post = layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm)
+        self.eps_in_f = float(layer.input_layernorm.variance_epsilon)  # the native ops take the Python float
+        self.eps_post_f = float(layer.post_attention_layernorm.variance_epsilon)
         if family == "qwen3":
             self.w_qn, self.w_kn, self.eps_qk = attn.q_norm.weight, attn.k_norm.weight, _eps(attn.q_norm)
         else:
@@ -175,7 +177,7 @@ def _linear(module: nn.Module, counts) -> _Linear:
 class LeanDecoder:
     """``step(token) -> logits [1, V]`` at position ``cache.length``, appending to the cache. One sequence."""
 
-    def __init__(self, model: nn.Module, config, cache, max_model_len: int, counts, attention: str | None = None):
+    def __init__(self, model: nn.Module, config, cache, max_model_len: int, counts, ops: str | None = None):
         self.family = config.model_type
         body = model.model
         self.cache = cache
@@ -184,6 +186,7 @@ class LeanDecoder:
         self.dtype = self.embed.dtype
         self.layers = [_Layer(layer, cache.layers[i], self.family, config, counts) for i, layer in enumerate(body.layers)]
         self.w_final, self.eps_final = body.norm.weight, _eps(body.norm)
+        self.eps_final_f = float(body.norm.variance_epsilon)
         self.head = _linear(model.lm_head, counts)
         attn0 = body.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
@@ -193,7 +196,7 @@ class LeanDecoder:
         self.hidden = int(self.embed.shape[1])
         self.max_positions = int(max_model_len)
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
-        self.attention, self.attention_reason = attention_choice(attention)
+        self.ops, self.ops_reason = ops_choice(ops)
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)
 
@@ -225,6 +228,7 @@ class LeanDecoder:
         self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
         self._rot_qh = self.rot[:h]  # [h, d]: the native attention's q
         self.attn_out = torch.empty(h, d, dtype=dt)  # the native attention's output, reused every layer
+        self._attn_flat = self.attn_out.view(1, h * d)  # the o projection's input
         self._qn_q, self._qn_k = None, None
         if self.qk_norm is not None:
             self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
@@ -254,6 +258,8 @@ class LeanDecoder:
         torch.index_select(self.embed, 0, self.token, out=self.x)
         torch.index_select(self.cos, 0, self.pos, out=self.cos_p)
         torch.index_select(self.nsin, 0, self.pos, out=self.nsin_p)
+        if self.ops == "native":
+            return self._step_native(p)
         x, n, norm = self.x, self.n, self.norm
         h, d = self.heads, self.head_dim
         end = p + 1
@@ -263,29 +269,61 @@ class LeanDecoder:
             self._qk_k.copy_(L.k.fn(n).view(-1, d))
             v = L.v.fn(n)
             if L.w_qn is not None:
-                self.qk_norm.unweighted(self.qk, L.eps_qk)
-                torch.mul(L.w_qn, self._qn_q, out=self._qk_q)
-                torch.mul(L.w_kn, self._qn_k, out=self._qk_k)
+                self._qk_norm(L)
             self._rope()
             L.keys.index_copy_(2, self.pos, self._rot_k)
             L.values.index_copy_(2, self.pos, v.view(1, -1, 1, d))
             L.cache_layer.length = end
-            start = end - L.window if L.window is not None and end > L.window else 0
-            if self.attention == "native":
-                native.decode_attn(self._rot_qh, L.keys, L.values, start, end, L.scale, self.attn_out)
-                a = self.attn_out
-            else:
-                a = F.scaled_dot_product_attention(self._rot_q, L.keys.narrow(2, start, end - start),
-                                                   L.values.narrow(2, start, end - start), scale=L.scale,
-                                                   enable_gqa=self.gqa)
+            start = self._window_start(L, end)
+            a = F.scaled_dot_product_attention(self._rot_q, L.keys.narrow(2, start, end - start),
+                                               L.values.narrow(2, start, end - start), scale=L.scale,
+                                               enable_gqa=self.gqa)
             x.add_(L.o.fn(a.reshape(1, h * d)))
             norm(x, L.w_post, L.eps_post, n)
-            g = L.gate.fn(n)
-            F.silu(g, inplace=True)
-            g.mul_(L.up.fn(n))
-            x.add_(L.down.fn(g))
+            x.add_(L.down.fn(self._gated(L, n)))
         norm(x, self.w_final, self.eps_final, n)
         return self.head.fn(n)
+
+    def _step_native(self, p: int) -> torch.Tensor:
+        """The same step with edgeq's native ops: 13 ops a layer (7 of them the projections) instead of ~50. The
+        residual add of each block is fused into the next norm (``add_rms_norm(x, delta, ...)``)."""
+        x, n = self.x, self.n
+        h, d = self.heads, self.head_dim
+        end = p + 1
+        cos, nsin, rot_q, out = self.cos_p, self.nsin_p, self._rot_qh, self.attn_out
+        delta = None
+        for L in self.layers:
+            native.add_rms_norm(x, delta, L.w_in, L.eps_in_f, n)
+            q, k, v = L.q.fn(n), L.k.fn(n), L.v.fn(n)
+            if L.w_qn is not None:
+                self._qk_q.copy_(q.view(h, d))
+                self._qk_k.copy_(k.view(-1, d))
+                self._qk_norm(L)
+                q, k = self._qk_q, self._qk_k
+            native.rope_to_cache(q, k, v, cos, nsin, L.keys, L.values, p, rot_q)
+            L.cache_layer.length = end
+            native.decode_attn(rot_q, L.keys, L.values, self._window_start(L, end), end, L.scale, out)
+            native.add_rms_norm(x, L.o.fn(self._attn_flat), L.w_post, L.eps_post_f, n)
+            delta = L.down.fn(self._gated(L, n))
+        native.add_rms_norm(x, delta, self.w_final, self.eps_final_f, n)
+        return self.head.fn(n)
+
+    @staticmethod
+    def _window_start(L: _Layer, end: int) -> int:
+        return end - L.window if L.window is not None and end > L.window else 0
+
+    @staticmethod
+    def _gated(L: _Layer, n: torch.Tensor) -> torch.Tensor:
+        """silu(n @ Wg^T) * (n @ Wu^T), in place on the gate's output."""
+        g = L.gate.fn(n)
+        F.silu(g, inplace=True)
+        return g.mul_(L.up.fn(n))
+
+    def _qk_norm(self, L: _Layer) -> None:
+        """Qwen3: RMSNorm over each head of q and k (rows of ``qk``), in place."""
+        self.qk_norm.unweighted(self.qk, L.eps_qk)
+        torch.mul(L.w_qn, self._qn_q, out=self._qk_q)
+        torch.mul(L.w_kn, self._qn_k, out=self._qk_k)
 
     def _rope(self) -> None:
         """rot = qk * cos[p] + swap_halves(qk) * nsin[p]: transformers' apply_rotary_pos_emb, bit for bit."""
@@ -295,30 +333,32 @@ class LeanDecoder:
         torch.add(self.t1, self.t2, out=self.rot)
 
 
-def attention_choice(request: str | None) -> tuple[str, str]:
-    """("native" | "sdpa", why) for the single-query attention of a decode step.
+def ops_choice(request: str | None) -> tuple[str, str]:
+    """("native" | "torch", why): which ops run the decode step around the projections.
 
-    ``request``: "auto" (None reads ``$EDGEQ_DECODE_ATTN``, default auto) takes edgeq's native kernel when the native library
-    runs here, else SDPA; "native" requires it; "sdpa" keeps torch's SDPA, whose logits are bit-identical to the
-    transformers forward. The native kernel computes the same softmax in fp32 with one final rounding (its error
-    against an fp64 reference is at most SDPA's on tests/test_attn_decode.py's cases), but in another summation
-    order, so logits are close, not bit-equal: the reason it is a choice. Why it exists: torch's flash-attention CPU
-    kernel is built for many queries; for one query it cost 6-9x a grouped product (docs/kernel.md, decode breakdown).
+    ``request``: "auto" (None reads ``$EDGEQ_DECODE_OPS``, default auto) takes edgeq's native decode ops when the
+    native library runs here, else torch's; "native" requires them; "torch" keeps the eager torch ops (SDPA, the
+    8-op RMSNorm, 4-op RoPE), whose logits are bit-identical to the transformers forward. The native ops
+    (``edgeq.runtime.native``: ``decode_attn``, ``add_rms_norm``, ``rope_to_cache``) make the same roundings except
+    two sums taken in another order (the attention's, in fp32 with one final rounding, and the RMSNorm's sum of
+    squares), so the logits are close, not bit-equal: the reason it is a choice. Why they exist: torch's
+    flash-attention CPU kernel is built for many queries (for one query it was half of a decode step), and ~50
+    eager ops a layer cost more in dispatch than in arithmetic (docs/kernel.md, "Decode breakdown").
     """
-    source = "decode_attention"
+    source = "decode_ops"
     if request is None:
-        request, source = os.environ.get(ENV_DECODE_ATTN) or "auto", f"${ENV_DECODE_ATTN}"
+        request, source = os.environ.get(ENV_DECODE_OPS) or "auto", f"${ENV_DECODE_OPS}"
     choice = str(request).strip().lower()
-    if choice not in DECODE_ATTNS:
-        raise EdgeqError(f"{source}={request!r}: expected one of {', '.join(DECODE_ATTNS)}")
-    if choice == "sdpa":
-        return "sdpa", f"requested ({source}=sdpa)"
+    if choice not in DECODE_OPS:
+        raise EdgeqError(f"{source}={request!r}: expected one of {', '.join(DECODE_OPS)}")
+    if choice == "torch":
+        return "torch", f"requested ({source}=torch)"
     if native.available():
-        return "native", f"edgeq's single-query kernel ({native.status().get('isa')})"
+        return "native", f"edgeq's decode ops: attention, RMSNorm, RoPE + cache write ({native.status().get('isa')})"
     why = native.status().get("reason", "unavailable")
     if choice == "native":
-        raise EdgeqError(f"{source}=native but the native library does not run here: {why}; use auto or sdpa")
-    return "sdpa", f"native library unavailable ({why})"
+        raise EdgeqError(f"{source}=native but the native library does not run here: {why}; use auto or torch")
+    return "torch", f"native library unavailable ({why})"
 
 
 def rope_tables(rotary: nn.Module, positions: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

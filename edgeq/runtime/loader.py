@@ -62,8 +62,8 @@ class RuntimeSettings:
     path_note: str = ""  # why this path runs when a choice was made at load (W4A8: compiled kernel or portable)
     decode_loop: str = "transformers"  # "lean" (edgeq's own decode step) | "transformers" (the model's forward)
     decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
-    decode_attention: str = "n/a"  # the lean decoder's attention: "native" | "sdpa" (n/a without the lean loop)
-    decode_attention_reason: str = ""
+    decode_ops: str = "n/a"  # the lean decoder's ops around the projections: "native" | "torch" (n/a: no lean loop)
+    decode_ops_reason: str = ""
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
 
@@ -141,14 +141,14 @@ def cache_kwarg(model: nn.Module) -> str:
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
          prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-         decode_loop: str | None = None, verify: bool = False, decode_attention: str | None = None) -> LoadedModel:
+         decode_loop: str | None = None, verify: bool = False, decode_ops: str | None = None) -> LoadedModel:
     """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md.
 
     ``decode_loop``: "auto" (default; also ``$EDGEQ_DECODE_LOOP``) runs the lean decoder when the family is
     supported, "lean" insists on it (an error naming the reason if it cannot run), "transformers" keeps the model's
-    forward for every token (the comparison arm). ``decode_attention``: the lean decoder's single-query attention,
-    "auto" (default; also ``$EDGEQ_DECODE_ATTN``: edgeq's native kernel where it runs), "native" or "sdpa" (torch's,
-    bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.attention_choice`.
+    forward for every token (the comparison arm). ``decode_ops``: the ops of the lean decoder's step around the
+    projections (attention, norms, RoPE), "auto" (default; also ``$EDGEQ_DECODE_OPS``: edgeq's native ops where they
+    run), "native" or "torch" (bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.ops_choice`.
 
     Always checked (cheap): every shard's size against its header, every scale and zero of the quantised modules
     finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
@@ -197,7 +197,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         xover, source = _crossover(runtime, quantized, info, prefill_threshold)
         runtime.prefill_threshold = xover
         counts.clear()
-    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts, decode_attention)
+    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts, decode_ops)
     fused_mlps = fused.fuse_mlps(model)
     settings = RuntimeSettings(
         quantized=bool(info),
@@ -222,8 +222,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         path_note=w4set.get("w4a8_kernel", ""),
         decode_loop=loop_used,
         decode_loop_reason=loop_reason,
-        decode_attention=decoder.attention if decoder is not None else "n/a",
-        decode_attention_reason=decoder.attention_reason if decoder is not None else "",
+        decode_ops=decoder.ops if decoder is not None else "n/a",
+        decode_ops_reason=decoder.ops_reason if decoder is not None else "",
         lean_bytes=decoder.owned_bytes if decoder is not None else 0,
         fused_mlps=fused_mlps,
     )

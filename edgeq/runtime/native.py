@@ -53,7 +53,7 @@ BLOCK_NS = (32, 64)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp",
-            "attn_ops.cpp", "attn_decode_scalar.cpp", "attn_decode_avx2.cpp", "attn_decode_avx512.cpp")
+            "attn_ops.cpp", "attn_decode_scalar.cpp", "attn_decode_avx2.cpp", "attn_decode_avx512.cpp", "decode_ops.cpp")
 _HEADERS = ("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h", "attn_decode.h", "attn_decode_body.h")
 # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function")
@@ -382,6 +382,38 @@ def _attn_op(*args):
     global _attn_op
     _attn_op = torch.ops.edgeq.decode_attn.default
     return _attn_op(*args)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor) -> None:
+    """``x += delta`` (when given, bf16, in place), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))`` per row:
+    transformers' RMSNorm in one call (edgeq/csrc/decode_ops.cpp has the roundings). Raises :class:`EdgeqError`."""
+    _small_op("add_rms_norm", x, delta, weight, eps, out)
+
+
+def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, nsin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, pos: int, rot_q: torch.Tensor) -> None:
+    """RoPE of one token's q and k (transformers' roundings, bit for bit) into ``rot_q`` and the cache at ``pos``,
+    and v into the cache: edgeq/csrc/decode_ops.cpp. Raises :class:`EdgeqError`."""
+    _small_op("rope_to_cache", q, k, v, cos, nsin, keys, values, pos, rot_q)
+
+
+_SMALL_OPS: dict = {}
+
+
+def _small_op(name: str, *args) -> None:
+    """Call ``torch.ops.edgeq.<name>`` (looked up once), with the library's availability and argument errors as
+    :class:`EdgeqError`."""
+    op = _SMALL_OPS.get(name)
+    if op is None:
+        st = _state or _load()
+        if not st.available:
+            raise EdgeqError(f"native {name} is not available: {st.reason}")
+        op = _SMALL_OPS[name] = getattr(torch.ops.edgeq, name).default
+    try:
+        op(*args)
+    except RuntimeError as e:
+        raise EdgeqError(f"native {name}: {str(e).splitlines()[0]}") from e
 
 
 def native_command(as_json: bool = False) -> None:
