@@ -171,6 +171,20 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
     return "\n".join(lines)
 
 
+def llama_repack_mode(gguf: Path, args, ctx: int) -> str:
+    """"on" when llama.cpp runs here with its default repacked weights (one tiny untimed request in a worker), else
+    why not ("forced by --llama-no-repack", or the crash); the caller then runs the no-repack mode and says so."""
+    if args.llama_no_repack:
+        return "forced by --llama-no-repack"
+    probe = run_bench([Arm("G", str(gguf), kind="gguf", threads=args.threads, max_model_len=ctx)],
+                      BenchConfig(prompt_len=8, gen_len=4, passes=1), progress=lambda m: None)
+    if probe.ok:
+        return "on"
+    why = str(probe.failures[0].get("error", probe.failures[0]))[:160]
+    log(f"llama.cpp with repacked weights failed here ({why}); running it without them, labelled in every table")
+    return f"repacked weights crashed here: {why}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/edgeq-e2e"))
@@ -182,9 +196,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", default="256MiB")
     ap.add_argument("--no-gguf", action="store_true")
     ap.add_argument("--no-w4a8", action="store_true", help="skip the w4a8-g128 arm")
-    # Off by default: on the AMX machine this was written on, llama.cpp 0.3.36's AMX repack path dies with SIGILL
-    # (tilezero in an OpenMP worker); without extra buffer types its weights stay mapped (llama-bench --no-repack).
-    ap.add_argument("--llama-repack", action="store_true", help="let llama.cpp repack weights (CPU_REPACK/AMX)")
+    # llama.cpp as its users run it: repacked weights (CPU_REPACK / AMX extra buffer types) are its default. Where
+    # they crash (llama.cpp 0.3.36's AMX path died with SIGILL on a Sapphire Rapids VM) the arm falls back to
+    # no-repack and every table says so; --llama-no-repack forces that mode (a lower bound for llama.cpp).
+    ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without its repacked weights")
     ap.add_argument("--json", type=Path, help="also write every report as JSON here")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +219,9 @@ def main() -> None:
             from edgeq.bench import default_context  # noqa: PLC0415
 
             ctx = default_context(str(prep["quantized"]), args.kv_cache_bytes)
-            env = () if args.llama_repack else (("EDGEQ_BENCH_LLAMA_REPACK", "0"),)
+            repack = llama_repack_mode(prep["gguf"], args, ctx)
+            env = () if repack == "on" else (("EDGEQ_BENCH_LLAMA_REPACK", "0"),)
+            NAMES["G"] = "llama.cpp Q4_K_M" + ("" if repack == "on" else f" (repack off: {repack})")
             arms.append(Arm("G", str(prep["gguf"]), kind="gguf", threads=args.threads, max_model_len=ctx, env=env))
         cfg = BenchConfig(prompt_len=args.prompt_len, gen_len=args.gen_len, passes=args.passes)
         report = run_bench(arms, cfg, progress=lambda m, model=model: log(f"{model}: {m}"))
