@@ -189,6 +189,7 @@ class EdgeqConfig(QuantizationConfig):
         self.group_size = int(qc.get("group_size", 128))
         self.stored: tinygemm.TinygemmLayout | None = None  # the W4A16 checkpoint's layout (manifest)
         self.not_converted: frozenset[str] = frozenset()
+        self.group_sizes: dict[str, int] = {}
         self.head_name = "lm_head"
 
     def __repr__(self) -> str:
@@ -224,6 +225,7 @@ class EdgeqConfig(QuantizationConfig):
             raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
                              "re-quantise without --act-order, or serve it with `edgeq serve`")
         self.kernel, self.group_size = info.kernel, info.scheme.group_size
+        self.group_sizes = dict(getattr(info, "group_sizes", ()) or ())  # a recipe's per-module G (W4A16 only)
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
         self.head_name = info.head_name
         if w4 is None:
@@ -243,6 +245,15 @@ class EdgeqConfig(QuantizationConfig):
             raise EdgeqError(f"{prefix}: vLLM fuses {', '.join(names)} but the checkpoint kept only {', '.join(kept)} "
                              "in bf16; re-quantise with all or none of them kept")
         return EdgeqLinearMethod(self, prefix)
+
+    def group_size_of(self, prefix: str) -> int:
+        """The group size of the checkpoint modules a vLLM layer holds; fused shards must share one."""
+        names = self._checkpoint_names(prefix)
+        sizes = {n: self.group_sizes.get(n, self.group_size) for n in names}
+        if len(set(sizes.values())) > 1:
+            raise EdgeqError(f"{prefix}: vLLM fuses {', '.join(names)} into one layer but the checkpoint quantised them "
+                             f"with different group sizes ({sizes}); re-quantise with one group size for all of them")
+        return sizes[names[0]]
 
     def _checkpoint_names(self, prefix: str) -> list[str]:
         """The checkpoint modules a vLLM layer holds (``qkv_proj`` -> q/k/v_proj, via the model's mapping)."""
@@ -297,12 +308,13 @@ class EdgeqLinearMethod(LinearMethodBase):
     def __init__(self, config: EdgeqConfig, prefix: str):
         self.config = config
         self.prefix = prefix
+        self.group_size = config.group_size_of(prefix)
 
     # creation ------------------------------------------------------------------------------------------------------
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int], input_size: int,
                        output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        cfg, g = self.config, self.config.group_size
+        g = self.group_size
         geo = _geometry(layer, input_size, input_size_per_partition)
         block = self._block_n()
         cuts.check_split(self.prefix, geo.sizes, geo.k, geo.tp, row_parallel=geo.row_parallel, block_n=block,
@@ -324,7 +336,7 @@ class EdgeqLinearMethod(LinearMethodBase):
 
     def _shapes(self, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The stored tensors of an [n, k] slice (docs/format.md, docs/w4a8.md)."""
-        g = self.config.group_size
+        g = self.group_size
         if self.config.kernel == W4A16:
             return [("qweight", (n, k // 2), torch.uint8), ("scales_and_zeros", (k // g, n, 2), torch.bfloat16)]
         bk = w4a8_layout.block_k(g)
@@ -367,7 +379,7 @@ class EdgeqLinearMethod(LinearMethodBase):
         if loaded.dtype != param.dtype or loaded.dim() != param.dim():
             raise EdgeqError(f"{where}: stored {loaded.dtype} {list(loaded.shape)}, expected {param.dtype} with "
                              f"{param.dim()} dims (docs/format.md); re-quantise the checkpoint")
-        g, cols = self.config.group_size, geo.k_range
+        g, cols = self.group_size, geo.k_range
         rows = b - a
         if self.config.kernel == W4A8:
             got_n = loaded.shape[0] * cuts.W4A8_BLOCK_N
@@ -416,7 +428,7 @@ class EdgeqLinearMethod(LinearMethodBase):
 
     def _module(self, layer, n: int):
         """The runtime's module over this rank's parameters (the first ``n`` rows; the head's padding excluded)."""
-        g = self.config.group_size
+        g = self.group_size
         if self.config.kernel == W4A8:
             nb = n // cuts.W4A8_BLOCK_N
             return w4a8linear.W4A8Linear(self.prefix, layer.qweight.data[:nb], layer.scales.data[:nb],
