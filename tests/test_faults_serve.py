@@ -239,6 +239,22 @@ def test_damaged_checkpoint_mid_stream_is_an_error_event(served, monkeypatch):
                                                "code": "damaged_checkpoint"}
 
 
+def test_non_finite_logits_of_the_served_model_are_a_500_damaged_checkpoint(served):
+    """The real generator's check (no monkeypatched generator): ``model.norm`` made to output Inf, as a damaged
+    weight would, so the prefill's logits are not finite."""
+    url, lm, _ = served
+    norm = dict(lm.model.named_modules())["model.norm"]
+    handle = norm.register_forward_hook(lambda _m, _i, out: out * float("inf"))
+    try:
+        for stream in (False, True):
+            err = _error(_post(url, CHAT, {"messages": MSGS, "max_tokens": 4, "stream": stream}), 500)
+            assert err["code"] == "damaged_checkpoint" and err["type"] == "server_error"
+            assert "not finite" in err["message"] and "model.norm" in err["message"]
+    finally:
+        handle.remove()
+    assert _post(url, CHAT, {"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize("where", ["generation", "handler"])
 def test_internal_error_is_a_json_500_on_a_live_connection(served, monkeypatch, where):
     url, lm, _ = served
