@@ -1,5 +1,6 @@
-"""The ``edgeq`` command. Each command parses, calls one function that returns a dataclass, and prints it
-(``--json`` everywhere). An :class:`EdgeqError` is one line on stderr and exit code 2; a broken threshold exit 1.
+"""The ``edgeq`` command. Each command parses, calls one function that returns a dataclass, and prints it through
+:mod:`edgeq.cli_output` (``--json`` everywhere; ``-q`` wherever progress is printed). An :class:`EdgeqError` and a
+click usage error alike are one ``error: ...`` line on stderr and exit code 2; a broken threshold exit 1.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.table import Table
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError  # typer vendors click
 
 from edgeq.cli_help import EdgeqGroup
-from edgeq.cli_output import emit, emit_line, err, error, out, say  # noqa: F401 - the commands' one output module
+from edgeq.cli_output import emit, err, error, out, say  # the commands' one output module
 from edgeq.errors import EdgeqError, ThresholdError
 from edgeq.hub import REVISION_HELP, display_name, resolve_model
 
