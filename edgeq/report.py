@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import typer
@@ -1135,7 +1135,7 @@ def _render_memory(report: InspectReport, out, Table) -> None:
 
 def inspect_command(
     path: Path = typer.Argument(..., help="Checkpoint directory or hub id (org/name): edgeq, plain Hugging Face, or GPTQ/AWQ/compressed-tensors/torchao/bitsandbytes."),
-    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
+    revision: Annotated[Optional[str], typer.Option("--revision", help=REVISION_HELP)] = None,
     tensors: bool = typer.Option(False, "--tensors", help="Per-tensor table: name, shape, dtype, role, bytes."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (schema: docs/inspect.md)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context for the memory projection [default: min(model maximum, what the KV budget holds)]."),
