@@ -37,12 +37,11 @@ swap_halves(t) * nsin = [c, e, a, b] * [-s0, -s1, s0, s1], the same four product
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from edgeq import env
 from edgeq.errors import EdgeqError
 from edgeq.runtime import native
 
@@ -345,12 +344,7 @@ def ops_choice(request: str | None) -> tuple[str, str]:
     flash-attention CPU kernel is built for many queries (for one query it was half of a decode step), and ~50
     eager ops a layer cost more in dispatch than in arithmetic (docs/kernel.md, "Decode breakdown").
     """
-    source = "decode_ops"
-    if request is None:
-        request, source = os.environ.get(ENV_DECODE_OPS) or "auto", f"${ENV_DECODE_OPS}"
-    choice = str(request).strip().lower()
-    if choice not in DECODE_OPS:
-        raise EdgeqError(f"{source}={request!r}: expected one of {', '.join(DECODE_OPS)}")
+    choice, source = env.choice(request, "decode_ops", ENV_DECODE_OPS, DECODE_OPS)
     if choice == "torch":
         return "torch", f"requested ({source}=torch)"
     if native.available():

@@ -10,7 +10,6 @@ measure (or read from cache) the prefill crossover. The effective settings are r
 from __future__ import annotations
 
 import inspect
-import os
 import time
 import warnings
 from collections import Counter
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edgeq import env
 from edgeq.checkpoint.safetensors_io import sha256_file
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
@@ -305,13 +305,7 @@ def packed_shape_error(name: str, nk: tuple[int, int], old: nn.Linear) -> str | 
 
 def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
     """(choice, where it came from: "decode_loop" or "$EDGEQ_DECODE_LOOP")."""
-    source = "decode_loop"
-    if arg is None:
-        arg, source = os.environ.get(ENV_DECODE_LOOP) or "auto", f"${ENV_DECODE_LOOP}"
-    choice = str(arg).strip().lower()
-    if choice not in DECODE_LOOPS:
-        raise EdgeqError(f"{source}={arg!r}: expected one of {', '.join(DECODE_LOOPS)}")
-    return choice, source
+    return env.choice(arg, "decode_loop", ENV_DECODE_LOOP, DECODE_LOOPS)
 
 
 def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts, attention: str | None):
