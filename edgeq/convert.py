@@ -38,6 +38,7 @@ import torch
 import edgeq
 from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
 from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
+from edgeq.checkpoint.plan import group_sizes as plan_group_sizes
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.output import commit, prepare_output, say, staging
@@ -176,7 +177,7 @@ def _gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOptio
     plan = build_plan(ckpt, scheme, "gptq", recipe)
     if opts.act_order:
         entries = tuple(
-            replace(e, perm=True, bytes_out=quantized_bytes(*e.shape, scheme.group_size, True)) if e.quantized and e.bytes_out else e
+            replace(e, perm=True, bytes_out=quantized_bytes(*e.shape, e.group(scheme), True)) if e.quantized and e.bytes_out else e
             for e in plan.entries
         )
         plan = replace(plan, entries=entries)
@@ -380,7 +381,7 @@ def _quantize_entry(ckpt: Checkpoint, e: PlanEntry, plan: Plan, layout, writer: 
     for a in range(0, n, step):
         b = min(n, a + step)
         w = src.read(e.source, (a, b))
-        qt = quantize_groups(w, plan.scheme.group_size, e.method or plan.method, name=f"{e.source} rows {a}..{b}")
+        qt = quantize_groups(w, e.group(plan.scheme), e.method or plan.method, name=f"{e.source} rows {a}..{b}")
         tinygemm.check_values(qt.q, e.source)
         writer.write(f"{e.module}.qweight", tinygemm._op_pack(qt.q))
         sz_parts.append(qt.scales_and_zeros)
@@ -477,7 +478,8 @@ def _stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], layout, w
     errors, rel_out, damp_used = {}, {}, {}
     keep = frozenset(e.module for e in plan.entries if e.action == "keep")
     results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
-                         block_size=opts.block_size, keep=keep, head_source=plan.head.source, progress=layer_done)
+                         block_size=opts.block_size, keep=keep, head_source=plan.head.source,
+                         group_sizes=plan_group_sizes(plan), progress=layer_done)
     try:
         for name, r in results:
             e = by_module.get(name)
@@ -551,12 +553,13 @@ def _manifest(plan: Plan, layout: tinygemm.TinygemmLayout, digests: dict, order:
         shards=digests,
         tensors=tensors,
         created_by={"edgeq": edgeq.__version__, "torch": torch.__version__, "recipe": plan.recipe},
+        group_sizes=plan_group_sizes(plan),
     )
     return _Manifest(extra, **fields) if extra else Manifest(**fields)
 
 
 def _float_method(plan: Plan) -> str:
-    return plan.method if plan.method in ("rtn", "minmax") else ""
+    return plan.method if plan.method in METHODS else ""
 
 
 def _head_method(plan: Plan) -> str:
@@ -651,6 +654,7 @@ def verify_written(directory: Path) -> None:
         convert_w4a8.verify_modules(directory, manifest.quantized_modules, g, found)
         return
     for m in manifest.quantized_modules:
+        g = manifest.group_size(m)
         qw, sz = found.get(f"{m}.qweight"), found.get(f"{m}.scales_and_zeros")
         if qw is None or sz is None:
             raise EdgeqError(f"{directory}: quantised module {m} is missing its qweight or scales_and_zeros")

@@ -211,7 +211,7 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
         w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
         parts.append(
             gptq_quantize(
-                w, H, scheme.group_size, act_order=opts["act_order"], block_size=opts["block_size"],
+                w, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
                 static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat, prepared=prep,
             )
         )
@@ -233,6 +233,7 @@ def gptq_model(
     block_size: int = 128,
     keep: frozenset[str] | set[str] = frozenset(),
     head_source: str | None = None,
+    group_sizes: dict[str, int] | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
     progress: Progress | None = None,
     observe: Observer | None = None,
@@ -243,6 +244,7 @@ def gptq_model(
     float outputs). ``head_source``: the tensor the head is quantised from (default ``lm_head.weight`` if present,
     else the embedding table). ``progress(done, total, label)`` is called after the embeddings (0), each layer and
     the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for tests and diagnostics).
+    ``group_sizes``: ``{module: G}`` for modules quantised with another group size than the scheme's.
     """
     t0 = time.perf_counter()
     root = Path(model_dir)
@@ -253,7 +255,8 @@ def gptq_model(
     base = model.model
     embed_name = names[id(base.embed_tokens)] + ".weight"
     head_tensor = head_source or (f"{HEAD_MODULE}.weight" if f"{HEAD_MODULE}.weight" in ckpt.tensors else embed_name)
-    opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size}
+    opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size,
+            "group_sizes": dict(group_sizes or {})}
     s, t = windows.shape
     run = _LayerRunner(model, config, t, compute_dtype)
     total = len(base.layers) + 1

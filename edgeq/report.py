@@ -377,13 +377,13 @@ def _config_layout_problem(record, manifest: Manifest) -> str | None:
     return config_layout_mismatch(record, layout)
 
 
-def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems: list[str]) -> dict[str, QModule]:
+def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g0: int | None, problems: list[str]) -> dict[str, QModule]:
     """Every module the manifest says is quantised, checked from the headers as the runtime will check it."""
     modules = {}
     if HEAD_MODULE not in manifest.quantized_modules:
         problems.append(f"{MANIFEST}: {HEAD_MODULE} is not among the quantised modules; edgeq always quantises the head")
     if manifest.kernel == w4a8_layout.KERNEL:
-        return _w4a8_modules(ckpt, manifest, g, problems)
+        return _w4a8_modules(ckpt, manifest, g0, problems)
     for m in manifest.quantized_modules:
         qw, sz = ckpt.tensors.get(f"{m}.qweight"), ckpt.tensors.get(f"{m}.scales_and_zeros")
         if qw is None or sz is None:
@@ -393,6 +393,7 @@ def _edgeq_modules(ckpt: Checkpoint, manifest: Manifest, g: int | None, problems
             problems.append(f"{m}.qweight: expected U8 [N, K/2], got {qw.dtype} {list(qw.shape)}")
             continue
         n, k = qw.shape[0], 2 * qw.shape[1]
+        g = manifest.group_sizes.get(m, g0) if g0 else g0  # a recipe's finer groups for this module
         want = [k // g, n, 2] if g else None
         if g and (k % g or sz.dtype != "BF16" or list(sz.shape) != want):
             problems.append(f"{m}.scales_and_zeros: expected BF16 {want} for N={n}, K={k}, G={g}; got "

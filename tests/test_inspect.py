@@ -64,18 +64,22 @@ def test_edgeq_checkpoint_report(edgeq_ckpt):
     src = open_checkpoint(TINY_PROSE)
     assert r.model["parameters"] == sum(t.numel for t in src.tensors.values()) == 4196608
     assert r.model["architecture"] == "LlamaForCausalLM" and r.model["layers"] == 4
-    # bytes by category, by hand: N*K/2 + (K/128)*N*2*2 per quantised weight
-    q = lambda n, k: n * k // 2 + (k // 128) * n * 4  # noqa: E731
+    # bytes by category, by hand: N*K/2 + (K/G)*N*2*2 per quantised weight; the llama recipe's group_sizes put the
+    # head, q/k/v and down_proj at G = 32, the rest at the scheme's 128
+    fine = {"q_proj", "k_proj", "v_proj", "down_proj"}
+    q = lambda n, k, g=128: n * k // 2 + (k // g) * n * 4  # noqa: E731
     assert r.bytes_by_category == {
-        "quantized_linears": 4 * sum(q(n, k) for n, k in TP_LAYER_MODULES.values()),
+        "quantized_linears": 4 * sum(q(n, k, 32 if m in fine else 128) for m, (n, k) in TP_LAYER_MODULES.items()),
         "linears_unquantized": 0,
-        "head": q(4096, 256),
+        "head": q(4096, 256, 32),
         "embeddings": 4096 * 256 * 2,
         "norms": (4 * 2 + 1) * 256 * 2,
         "other": 0,
     }
     assert sum(r.bytes_by_category.values()) == r.files["tensor_bytes"]
-    assert r.effective_bits == pytest.approx(4 + 32 / 128)
+    quantized = r.bytes_by_category["quantized_linears"] + r.bytes_by_category["head"]
+    weights = 4 * sum(n * k for n, k in TP_LAYER_MODULES.values()) + 4096 * 256
+    assert r.effective_bits == pytest.approx(8 * quantized / weights)
 
 
 def test_memory_projection_by_hand(edgeq_ckpt):
@@ -86,10 +90,11 @@ def test_memory_projection_by_hand(edgeq_ckpt):
     assert m.kv_budget_tokens == (3 << 20) // 2048 == 1536
     assert (m.kv_tokens, m.kv_bytes) == (512, 512 * 2048)
     # every tensor is bf16 or packed: all used in place from the mapping, nothing copied
-    assert (m.mapped_weights, m.anon_weights) == (4329984, 0) and m.mapped_weights == r.files["tensor_bytes"]
+    # 4329984 bytes at g128 everywhere, + 221184 for the llama recipe's g32 head, q/k/v and down_proj scales/zeros
+    assert (m.mapped_weights, m.anon_weights) == (4551168, 0) and m.mapped_weights == r.files["tensor_bytes"]
     # scratch: the largest row block, the head's 4096 rows (fewer than ~4M / K = 16384) x K = 256, at 3 bytes
     assert (m.prefill_scratch_tensor, m.prefill_scratch) == ("lm_head", 4096 * 256 * 3)
-    assert m.anon_total == 512 * 2048 + 4096 * 256 * 3 and m.total == 4329984 + m.anon_total and m.problems == ()
+    assert m.anon_total == 512 * 2048 + 4096 * 256 * 3 and m.total == 4551168 + m.anon_total and m.problems == ()
     # defaults as the runtime's: min(model maximum, budget tokens)
     d = inspect_checkpoint(edgeq_ckpt).memory
     assert (d.max_model_len, d.kv_tokens, d.kv_cache_bytes) == (1024, 1024, 256 << 20)
@@ -165,7 +170,7 @@ def test_layout_mismatch_says_what_load_will_do(edgeq_ckpt, tmp_path):
     assert r.edgeq.on_load.startswith("repack: 29 qweight tensors") and "--strict-layout" in r.edgeq.on_load
     assert any("differs from this machine" in w and "edgeq repack" in w for w in r.warnings)
     qweight = sum(n * k // 2 for n, k in TP_LAYER_MODULES.values()) * 4 + 4096 * 128
-    assert r.memory.repack and (r.memory.mapped_weights, r.memory.anon_weights) == (4329984 - qweight, qweight)
+    assert r.memory.repack and (r.memory.mapped_weights, r.memory.anon_weights) == (4551168 - qweight, qweight)
     strict = inspect_checkpoint(ckpt, strict_layout=True)
     assert strict.edgeq.on_load == "refused (--strict-layout)"
     assert any("load refuses it under --strict-layout" in p for p in strict.problems)
@@ -298,7 +303,11 @@ def test_hf_tiny_prose_every_scheme():
     for o in r.schemes:  # the quantizer's own plan, so the two cannot disagree
         plan = build_plan(ckpt, Scheme.parse(o.scheme), "rtn", recipe)
         assert o.bytes_out == plan.bytes_out and o.ratio == pytest.approx(plan.bytes_in / plan.bytes_out)
-        assert o.effective_bits == pytest.approx(4 + 32 / plan.scheme.group_size)
+        G = plan.scheme.group_size  # the recipe's group_sizes: head, q/k/v, down_proj at min(32, G)
+        sized = [(n * k, min(32, G) if m in ("q_proj", "k_proj", "v_proj", "down_proj") else G)
+                 for m, (n, k) in TP_LAYER_MODULES.items()] * 4 + [(4096 * 256, min(32, G))]
+        want = sum(w * (4 + 32 / g) for w, g in sized) / sum(w for w, _ in sized)
+        assert o.effective_bits == pytest.approx(want)
     assert r.memory_basis.startswith("after `edgeq quantize --scheme w4a16-g128`")
     assert r.bytes_by_category["linears_unquantized"] == 4 * sum(n * k * 2 for n, k in TP_LAYER_MODULES.values())
 

@@ -14,6 +14,7 @@ from edgeq.convert import convert
 from edgeq.layouts import tinygemm as tg
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
+from edgeq.scheme import Scheme
 from tiny_models import FAMILIES, save_tiny
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -28,7 +29,8 @@ def dir_digest(path: Path) -> str:
 
 
 def check_output(src: Path, out: Path, group_size: int = 128, method: str = "rtn") -> None:
-    """Every quantised module unpacks to exactly what the quantiser gives for the source weight."""
+    """Every quantised module unpacks to exactly what the quantiser gives for the source weight (at the group size
+    the manifest records for it; ``group_size`` is the scheme's)."""
     ref, got = open_checkpoint(src), open_checkpoint(out)
     man = read_manifest(out)
     layout = TinygemmLayout.from_json(man.layout)
@@ -41,11 +43,12 @@ def check_output(src: Path, out: Path, group_size: int = 128, method: str = "rtn
     tied = "lm_head.weight" not in ref.tensors
     assert man.head["untied"] == tied == qc["untied"]
     assert man.head["source"] == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+    assert Scheme.parse(man.scheme).group_size == group_size
     for module in man.quantized_modules:
         source = man.tensors[f"{module}.qweight"]["source"]
         w = ref.read(source)
         n, k = w.shape
-        qt = quantize_groups(w, group_size, method)
+        qt = quantize_groups(w, man.group_size(module), method)  # the recipe's finer groups where it has them
         q = tg.unpack(got.read(f"{module}.qweight"), n, k, layout)
         assert torch.equal(q, qt.q), module
         assert torch.equal(got.read(f"{module}.scales_and_zeros"), qt.scales_and_zeros), module

@@ -97,7 +97,8 @@ def write_reference(qdir: Path, out: Path) -> Path:
         if name.endswith(".qweight"):
             m = name.removesuffix(".qweight")
             n, k = t.shape[0], t.shape[1] * 2
-            state[f"{m}.weight"] = tinygemm.dequantize(tinygemm.unpack(t, n, k, layout), files.get(f"{m}.scales_and_zeros"), g, torch.bfloat16)
+            gm = manifest.get("group_sizes", {}).get(m, g)  # a recipe's finer groups for this module
+            state[f"{m}.weight"] = tinygemm.dequantize(tinygemm.unpack(t, n, k, layout), files.get(f"{m}.scales_and_zeros"), gm, torch.bfloat16)
         else:
             state[name] = t.clone()
     out.mkdir(parents=True, exist_ok=True)

@@ -12,16 +12,19 @@ Keys (format_version 1)::
     shards          {file name: sha256}
     tensors         {output tensor: {"role", "source", "dtype", "shape"}}
     created_by      {"edgeq": version, "torch": version}
+    group_sizes     {module: G} for quantised modules whose group size differs from the scheme's (a recipe's
+                    group_sizes); absent when every module uses the scheme's, as in checkpoints written before it
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edgeq.errors import EdgeqError
+from edgeq.scheme import Scheme
 
 FORMAT_VERSION = 1
 MANIFEST = "edgeq_manifest.json"
@@ -41,10 +44,17 @@ class Manifest:
     shards: dict
     tensors: dict
     created_by: dict
+    group_sizes: dict = field(default_factory=dict)
+
+    def group_size(self, module: str) -> int:
+        """The group size ``module`` was quantised with: its ``group_sizes`` entry, else the scheme's."""
+        return int(self.group_sizes.get(module, Scheme.parse(self.scheme).group_size))
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["quantized_modules"] = list(self.quantized_modules)
+        if not self.group_sizes:
+            del d["group_sizes"]  # uniform checkpoints keep the original key set
         return d
 
     def write(self, directory: Path) -> None:
@@ -71,6 +81,7 @@ class Manifest:
                 layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(d["quantized_modules"]),
                 modules_not_converted=dict(d.get("modules_not_converted", {})), shards=dict(d["shards"]),
                 tensors=dict(d.get("tensors", {})), created_by=dict(d.get("created_by", {})),
+                group_sizes={str(m): int(g) for m, g in dict(d.get("group_sizes", {})).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise EdgeqError(f"{where}: malformed manifest (missing or bad key {e}); re-quantise the checkpoint") from e

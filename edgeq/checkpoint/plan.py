@@ -64,6 +64,11 @@ class PlanEntry:
     gptq: GPTQSource | None = None  # set when the input is a GPTQ layer (actions repack / requantize / keep)
     method: str = ""  # quantisation method of this entry when it differs from the plan's (GPTQ ingest: rtn for the head)
     origin: str | None = None  # another checkpoint directory the source is read from (--head-from), else the input
+    group_size: int = 0  # this entry's group size when the recipe's group_sizes make it finer than the scheme's, else 0
+
+    def group(self, scheme: Scheme) -> int:
+        """The group size this entry is (or was) quantised with."""
+        return self.group_size or scheme.group_size
 
     @property
     def module(self) -> str:
@@ -82,7 +87,7 @@ class PlanEntry:
             return convert_w4a8.out_tensors(self.module, n, k, scheme)
         out = [
             (f"{self.module}.qweight", "U8", (n, k // 2)),
-            (f"{self.module}.scales_and_zeros", "BF16", (k // scheme.group_size, n, 2)),
+            (f"{self.module}.scales_and_zeros", "BF16", (k // self.group(scheme), n, 2)),
         ]
         if self.perm:
             out.append((f"{self.module}.perm", "I64", (k,)))
@@ -131,10 +136,23 @@ def quantized_bytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
     return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
 
 
-def _scheme_bytes(shape: tuple[int, ...], scheme: Scheme) -> int:
+def _scheme_bytes(shape: tuple[int, ...], scheme: Scheme, group_size: int = 0) -> int:
     if scheme.kernel == convert_w4a8.KERNEL:
         return convert_w4a8.quantized_bytes(*shape, scheme.group_size)
-    return quantized_bytes(*shape, scheme.group_size)
+    return quantized_bytes(*shape, group_size or scheme.group_size)
+
+
+def _entry_group(recipe: Recipe, name: str, scheme: Scheme) -> int:
+    """0 (the scheme's group size) unless the recipe's group_sizes give ``name`` a finer one; W4A8 stays uniform."""
+    if scheme.kernel == convert_w4a8.KERNEL:
+        return 0
+    g = recipe.group_size(name, scheme.group_size)
+    return g if g != scheme.group_size else 0
+
+
+def group_sizes(plan: "Plan") -> dict[str, int]:
+    """{module: group size} of the quantised modules whose group differs from the scheme's (the manifest record)."""
+    return {e.module: e.group_size for e in plan.entries if e.quantized and e.group_size}
 
 
 def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
@@ -194,8 +212,9 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
             rule = _rule(info.shape, info.dtype, scheme)
             if rule:
                 problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
-            out = _scheme_bytes(info.shape, scheme) if not rule else 0
-            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes, out))
+            g = _entry_group(recipe, name, scheme)
+            out = _scheme_bytes(info.shape, scheme, g) if not rule else 0
+            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes, out, group_size=g))
         else:
             if info.dtype not in FLOAT_CODES:
                 raise EdgeqError(f"{info.file}: tensor {name} has dtype {info.dtype}; edgeq expects a bf16, fp16 or fp32 checkpoint")
@@ -211,9 +230,10 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
         rule = _rule(emb.shape, emb.dtype, scheme)
         if rule:
             problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
-        out = _scheme_bytes(emb.shape, scheme) if not rule else 0
+        g = _entry_group(recipe, recipe.head, scheme)
+        out = _scheme_bytes(emb.shape, scheme, g) if not rule else 0
         entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in, out,
-                                 f"untied from {emb.name}"))
+                                 f"untied from {emb.name}", group_size=g))
     if not any(e.quantized and e.role == "linear" for e in entries):
         problems.append(f"no Linear projection weights found among {len(entries)} tensors: nothing to quantise besides the head")
     plan = Plan(scheme, method, recipe.name, tuple(entries), tuple(problems), tied)
@@ -234,6 +254,8 @@ def plan_rows(plan: Plan) -> list[dict]:
             row["method"] = e.method
         if e.origin:
             row["from"] = e.origin
+        if e.group_size:
+            row["group_size"] = e.group_size
         rows.append(row)
     return rows
 

@@ -1,7 +1,13 @@
 """Per-family quantisation recipes: data files (TOML) in ``recipes/``, validated when loaded.
 
-A recipe names the default scheme and method, where the head and the embeddings are, and which Linear weights to
-keep in bf16. A recipe whose ``keep_bf16`` would match the head is rejected: the head is always quantised.
+A recipe names the default scheme and method, where the head and the embeddings are, which Linear weights to
+keep in bf16, and which quantised weights get finer groups (``group_sizes``). A recipe whose ``keep_bf16`` would match
+the head is rejected: the head is always quantised.
+
+``group_sizes`` maps regexes of tensor names (``re.search``, first match wins) to a group size; a matching tensor is
+quantised with ``min(that, the scheme's group size)`` in the same tinygemm layout (the kernel takes G per call), so
+the scheme name keeps meaning the base group size and ``--scheme w4a16-g32`` still means g32 everywhere. W4A8
+schemes ignore it (one group size per checkpoint there).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from pathlib import Path
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
 
-_KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "notes"}
+_KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "group_sizes", "notes"}
+_GROUP_CHOICES = (32, 64, 128, 256)  # tinygemm's qGroupSize values (edgeq.scheme)
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,15 @@ class Recipe:
     keep_bf16: tuple[str, ...]
     notes: str
     source: str
+    group_sizes: tuple[tuple[str, int], ...] = ()
 
     def keeps(self, tensor_name: str) -> str | None:
         """The keep_bf16 pattern matching this tensor, if any."""
         return next((p for p in self.keep_bf16 if re.search(p, tensor_name)), None)
+
+    def group_size(self, tensor_name: str, base: int) -> int:
+        """The group size for this tensor: the first matching ``group_sizes`` entry, never coarser than ``base``."""
+        return min(base, next((g for p, g in self.group_sizes if re.search(p, tensor_name)), base))
 
 
 def recipes_dir() -> Path:
@@ -64,6 +76,7 @@ def load_recipe(path: Path) -> Recipe:
             keep_bf16=tuple(data.get("keep_bf16", [])),
             notes=str(data.get("notes", "")),
             source=str(path),
+            group_sizes=_group_sizes(path, data.get("group_sizes", {})),
         )
     except KeyError as e:
         raise EdgeqError(f"{path}: recipe needs the key {e}") from e
@@ -77,6 +90,22 @@ def load_recipe(path: Path) -> Recipe:
     if hit:
         raise EdgeqError(f"{path}: keep_bf16 pattern {hit!r} matches the output head {recipe.head}; the head is always quantised")
     return recipe
+
+
+def _group_sizes(path: Path, table) -> tuple[tuple[str, int], ...]:
+    """``group_sizes = { "regex" = G, ... }`` validated: a table of valid regexes to tinygemm group sizes."""
+    if not isinstance(table, dict):
+        raise EdgeqError(f"{path}: group_sizes must be a table of tensor-name regex = group size")
+    out = []
+    for p, g in table.items():
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise EdgeqError(f"{path}: group_sizes pattern {p!r} is not a valid regex ({e})") from e
+        if isinstance(g, bool) or g not in _GROUP_CHOICES:
+            raise EdgeqError(f"{path}: group_sizes[{p!r}] = {g!r}; valid group sizes: {', '.join(map(str, _GROUP_CHOICES))}")
+        out.append((p, int(g)))
+    return tuple(out)
 
 
 def all_recipes() -> list[Recipe]:

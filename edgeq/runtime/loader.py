@@ -336,11 +336,10 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
         raise EdgeqError(layout_refusal(info.layout, here))
     consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
     perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
-    g = info.scheme.group_size
     for name in info.quantized_modules:
         old = skeleton.quantized_target(model, name)
         qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
-        n, k = tinygemm.check_shapes(name, qweight, sz, g)
+        n, k = tinygemm.check_shapes(name, qweight, sz, info.group_size(name))
         if problem := packed_shape_error(name, (n, k), old):
             raise EdgeqError(problem)
         if foreign:
@@ -357,7 +356,7 @@ def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
         perm = _input_perm(files, name, k, perms)
         if perm is not None:
             consumed.add(f"{name}.perm")
-        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, g, bias, runtime, perm=perm))
+        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, info.group_size(name), bias, runtime, perm=perm))
     if foreign:
         warnings.warn(repack_warning(info.layout, here, len(info.quantized_modules), time.perf_counter() - t0, copied),
                       LayoutRepackWarning, stacklevel=3)

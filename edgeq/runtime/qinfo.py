@@ -34,6 +34,11 @@ class QuantInfo:
     head_source: str
     untied: bool
     modules_not_converted: tuple[tuple[str, str], ...]
+    group_sizes: tuple[tuple[str, int], ...] = ()  # (module, G) where G differs from the scheme's (recipe group_sizes)
+
+    def group_size(self, module: str) -> int:
+        """The group size ``module`` was quantised with (the manifest's ``group_sizes`` entry, else the scheme's)."""
+        return dict(self.group_sizes).get(module, self.scheme.group_size)
 
 
 def read_json(path: Path) -> dict:
@@ -106,4 +111,21 @@ def read_quant_info(directory: Path, config: dict) -> QuantInfo | None:
         format_version=version, scheme=scheme, kernel=kernel, layout=layout, quantized_modules=tuple(modules),
         head_name=head_name, head_source=str(head.get("source", "")), untied=bool(head.get("untied", False)),
         modules_not_converted=tuple(sorted((str(k), str(v)) for k, v in mnc.items())),
+        group_sizes=_group_sizes(directory, m.get("group_sizes"), modules),
     )
+
+
+def _group_sizes(directory: Path, record, modules: list[str]) -> tuple[tuple[str, int], ...]:
+    """The manifest's optional ``{module: G}`` record, validated: quantised modules, tinygemm group sizes."""
+    if record is None:
+        return ()
+    where = f"{directory}/{MANIFEST}: group_sizes"
+    if not isinstance(record, dict):
+        raise EdgeqError(f"{where} must be an object of module -> group size; re-quantise the checkpoint")
+    for module, g in record.items():
+        if module not in modules:
+            raise EdgeqError(f"{where} names {module!r}, which is not a quantised module; the checkpoint is inconsistent")
+        if isinstance(g, bool) or g not in tinygemm.GROUP_SIZES:
+            raise EdgeqError(f"{where}[{module!r}] = {g!r} is not a tinygemm group size "
+                             f"({', '.join(map(str, tinygemm.GROUP_SIZES))}); re-quantise the checkpoint")
+    return tuple(sorted((str(k), int(v)) for k, v in record.items()))
