@@ -41,7 +41,7 @@ from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quan
 from edgeq.checkpoint.plan import group_sizes as plan_group_sizes
 from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.output import commit, prepare_output, say, staging
+from edgeq.checkpoint.output import prepare_output, say, staging
 from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
 from edgeq import convert_w4a8, ingest
 from edgeq.errors import EdgeqError
@@ -241,7 +241,7 @@ def convert(
     prepare_output(out, _inputs(ckpt, plan))
     _check_output(out, force, plan.bytes_out + (64 << 20))
     windows, calib = _calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
-    with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it
+    with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced
         writer = None
         try:
             order = write_order(plan)
@@ -262,7 +262,6 @@ def convert(
             if writer is not None:
                 writer.abort()
             raise
-        commit(tmp, out)  # fsynced: files and directory before the rename, the parent after
     warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
     for w in warnings:
         say(f"warning: {w}")

@@ -5,10 +5,9 @@
 - :func:`staging`: the output is built in a hidden sibling ``.OUT.edgeq-KIND-PID`` (KIND ``tmp`` for quantize,
   ``repack`` for repack); while it exists SIGTERM (what ``timeout``, ``docker stop`` and systemd send) raises
   KeyboardInterrupt exactly like SIGINT, so both take the same cleanup path (the CLI exits 2, "interrupted"). The
-  previous handlers are restored afterwards.
-- :func:`commit`: the rename into place (:func:`edgeq.checkpoint.safetensors_io.replace_dir`, which fsyncs) with
-  SIGINT/SIGTERM deferred, so an interrupt cannot tear it; one that arrives meanwhile is reported and dropped,
-  because the output is complete by then.
+  previous handlers are restored afterwards. The rename into place
+  (:func:`edgeq.checkpoint.safetensors_io.replace_dir`, which fsyncs) runs with SIGINT/SIGTERM held, so an interrupt
+  cannot tear it; one that arrives meanwhile is reported and dropped, because the output is complete by then.
 - :func:`remove_stale`: SIGKILL (and power loss) runs no cleanup, so every writer first looks for siblings of its
   own output named ``.OUT.edgeq-{tmp,repack,old}-PID`` whose PID is not a running process here, and removes them
   (an ``old`` one, the previous output set aside by a replacement that died half-way, is put back when ``OUT`` is
@@ -31,7 +30,6 @@ from edgeq.errors import EdgeqError
 
 KINDS = ("tmp", "repack", "old")
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
-_defer = {"active": False, "pending": None}  # set by commit(): the handler records a signal instead of raising
 
 
 def say(message: str) -> None:
@@ -89,27 +87,6 @@ def remove_stale(out: Path) -> list[Path]:
     return removed
 
 
-def _raise_interrupt(signum, frame) -> None:
-    if _defer["active"]:
-        _defer["pending"] = signum
-        return
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt for the duration (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, _raise_interrupt) for s in _INTERRUPTS}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
 def prepare_output(out: Path, inputs: Iterable[str | Path]) -> None:
     """What every writer does first: the path rule, then the leftovers of earlier runs (before checking whether
     ``out`` exists or the disk has room: a restored ``old`` is the user's output, a removed ``tmp`` frees space)."""
@@ -117,30 +94,53 @@ def prepare_output(out: Path, inputs: Iterable[str | Path]) -> None:
     remove_stale(out)
 
 
+class _Guard:
+    """While ``held``, SIGINT/SIGTERM are recorded in ``pending`` instead of raising (the commit must not be torn)."""
+
+    held = False
+    pending: int | None = None
+
+
+@contextmanager
+def _interrupts() -> Iterator[_Guard]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (unless held) for the duration; main thread only (signal handlers
+    can only be installed there; elsewhere the process's own handling applies). Previous handlers are restored."""
+    guard = _Guard()
+    if threading.current_thread() is not threading.main_thread():
+        yield guard
+        return
+
+    def handler(signum, frame) -> None:
+        if guard.held:
+            guard.pending = signum
+        else:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in _INTERRUPTS}
+    try:
+        yield guard
+    finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+
+
 @contextmanager
 def staging(out: Path, kind: str) -> Iterator[Path]:
-    """Yield a fresh temporary sibling of ``out`` to write into; it is removed on any exception (KeyboardInterrupt
-    from SIGINT or SIGTERM included). The caller's last step is :func:`commit`."""
+    """Yield a fresh temporary sibling of ``out`` to write into; when the block ends normally, rename it into place
+    (:func:`~edgeq.checkpoint.safetensors_io.replace_dir`, fsynced) with interrupts held, so the commit is never torn.
+    On any exception (KeyboardInterrupt from SIGINT or SIGTERM included) the directory is removed."""
+    from edgeq.checkpoint.safetensors_io import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
+
     tmp = temp_dir(out, kind)
     shutil.rmtree(tmp, ignore_errors=True)  # this PID's own leftover (a container restart reuses PIDs)
-    with interrupts_raise():
-        tmp.mkdir(parents=True)
-        try:
+    with _interrupts() as guard:
+        try:  # mkdir inside: an interrupt right after it must remove the directory too
+            tmp.mkdir(parents=True)
             yield tmp
+            guard.held = True
+            replace_dir(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def commit(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out`` durably (fsyncs) with interrupts deferred until it is done."""
-    from edgeq.checkpoint.safetensors_io import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
-
-    _defer.update(active=True, pending=None)
-    try:
-        replace_dir(tmp, out)
-    finally:
-        pending = _defer["pending"]
-        _defer.update(active=False, pending=None)
-    if pending is not None:
-        say(f"{signal.Signals(pending).name} arrived during the final rename; {out} is complete")
+    if guard.pending is not None:
+        say(f"{signal.Signals(guard.pending).name} arrived during the final rename; {out} is complete")

@@ -4,7 +4,8 @@ Every ``*.qweight`` is unpacked with the layout recorded in the manifest and pac
 machine's :func:`~edgeq.layouts.tinygemm.probe` by default); every other tensor and file is copied unchanged. The
 result is written into a temporary sibling directory and renamed into place (fsynced; the old directory is renamed
 aside first and removed last), so an interruption (Ctrl-C, SIGTERM, SIGKILL, power loss) leaves either the old or the
-new checkpoint, never a mix. An explicit output may not be, contain or lie inside the input (edgeq/checkpoint/output.py).
+new checkpoint, never a mix. An explicit output may not be, contain or lie inside the input
+(edgeq/checkpoint/output.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from edgeq.checkpoint.output import check_output_path, commit, remove_stale, staging
+from edgeq.checkpoint.output import prepare_output, staging
 from edgeq.checkpoint.safetensors_io import sha256_file
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
@@ -55,9 +56,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         raise EdgeqError(f"{src}: not an edgeq checkpoint (no quantization_config); nothing to repack")
     target = layout or tinygemm.probe()
     changed = not info.layout.is_compatible(target)
-    if out is not None:
-        check_output_path(out, [src])  # in place is the default (no output), never an output that is the input
-    remove_stale(dst)
+    prepare_output(dst, [src] if out is not None else [])  # in place is the default; an -o may not be the input
     if not changed and dst == src:
         return RepackReport(str(dst), False, 0, 0, 0.0, info.layout.layout_hash, target.layout_hash)
     if dst != src and dst.exists() and any(dst.iterdir()):
@@ -66,7 +65,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
     files = MappedFiles(src)
     quantized = set(info.quantized_modules)
     count = nbytes = 0
-    with staging(dst, "repack") as tmp:  # SIGTERM and Ctrl-C remove it
+    with staging(dst, "repack") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to dst, fsynced
         shards = sorted({Path(i.file) for i in files.infos.values()})
         digests = {}
         for shard in shards:
@@ -91,8 +90,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         config["quantization_config"]["layout"] = target.fingerprint()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        del files, tensors
-        commit(tmp, dst)
+        del files, tensors  # unmapped before the rename (in place: the old files are removed)
     return RepackReport(str(dst), changed, count, nbytes, time.perf_counter() - t0, info.layout.layout_hash, target.layout_hash)
 
 
