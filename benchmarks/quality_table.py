@@ -1,0 +1,201 @@
+"""Quality per byte on the bundled model: edgeq's arms and (with the ``llama`` extra) llama.cpp's, one table.
+
+    python benchmarks/quality_table.py                      # every edgeq arm; llama.cpp's when importable
+    python benchmarks/quality_table.py --arms default,rtn-g128 --max-tokens 2000   # a quick look
+    python benchmarks/quality_table.py --llama-sdist /tmp/llamadl/llama_cpp_python-0.3.36.tar.gz
+
+Every arm is scored by :func:`edgeq.fidelity.compare` against the same bf16 reference (``edgeq.runtime.load`` of
+edgeq/data/tiny-prose) on the same windows of the bundled held-out text (ctx 512, second half of each window
+scored). "bytes" is the same sum for every arm: the quantised linears + the head + the embedding table(s) (edgeq: the
+``qweight``/``scales_and_zeros``/``perm`` tensors and the bf16 embedding, from the manifest; llama.cpp: the GGUF's
+``token_embd``, ``output`` and ``blk.*`` attention/FFN weights; norms are left out of both).
+
+llama.cpp's side (needs ``llama_cpp`` and ``gguf``): its own ``convert_hf_to_gguf.py`` (from the llama-cpp-python
+sdist, ``vendor/llama.cpp``) writes a BF16 GGUF, ``llama_cpp.llama_model_quantize`` makes Q4_K_M / Q4_K_S / Q4_0
+(no imatrix), and each window's logits come from llama.cpp fed the very token ids edgeq scores (a scoring function
+side of ``compare``). Deterministic statistics, no timings; output: a markdown table on stdout, --json the raw reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from edgeq import fidelity as F
+from edgeq.checkpoint.recipe import find_recipe
+from edgeq.convert import GPTQOptions, convert
+from edgeq.runtime import load
+from edgeq.scheme import Scheme
+
+FIXTURE = Path(F.__file__).parent / "data" / "tiny-prose"
+# label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes) or "uniform" (the same, without))
+EDGEQ_ARMS = {
+    "default": ("w4a16-g128", None, "family"),
+    "rtn-g128": ("w4a16-g128", "rtn", "uniform"),
+    "clip-g128": ("w4a16-g128", "clip", "uniform"),
+    "default-g64": ("w4a16-g64", None, "family"),
+    "rtn-g32": ("w4a16-g32", "rtn", "uniform"),
+    "gptq": ("w4a16-g128", "gptq", "family"),
+    "gptq-g32": ("w4a16-g32", "gptq", "uniform"),
+}
+LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+_ITEMSIZE = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
+_GGUF_COUNTED = ("token_embd.weight", "output.weight")
+_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+# ------------------------------------------------------------------------------------------------------- edgeq arms
+def uniform_recipe(path: Path) -> Path:
+    """The llama recipe without its group_sizes (every module at the scheme's group size), as a TOML file."""
+    r = find_recipe(None, "llama")
+    lines = [f"name = {json.dumps(r.name + '-uniform')}", "model_types = []", f"scheme = {json.dumps(r.scheme)}",
+             f"method = {json.dumps(r.method)}", f"head = {json.dumps(r.head)}",
+             f"embeddings = {json.dumps(list(r.embeddings))}", f"keep_bf16 = {json.dumps(list(r.keep_bf16))}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def edgeq_bytes(out: Path) -> int:
+    """Quantised linears + head (qweight, scales_and_zeros, perm) + embeddings, from the manifest's tensor records."""
+    tensors = json.loads((out / "edgeq_manifest.json").read_text())["tensors"]
+    roles = ("linear", "head", "embedding", "perm")
+    return sum(math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]] for t in tensors.values() if t["role"] in roles)
+
+
+def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> tuple[int, F.FidelityReport]:
+    scheme, method, recipe = EDGEQ_ARMS[label]
+    out = tmp / label
+    recipe_arg = str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform" else None
+    gptq = GPTQOptions() if method == "gptq" else None
+    convert(FIXTURE, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq)
+    return edgeq_bytes(out), F.compare(ref, load(out), ctx=ctx, max_tokens=max_tokens)
+
+
+# --------------------------------------------------------------------------------------------------- llama.cpp arms
+def llama_available() -> str | None:
+    """None when llama.cpp's side can run; else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"{e.name} is not importable (pip install 'edgeq[llama]')"
+    return None
+
+
+def converter(sdist: Path, tmp: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py: the sdist's vendored copy, extracted (with its sibling modules)."""
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
+                   (m.name.endswith("convert_hf_to_gguf.py") or "/vendor/llama.cpp/gguf-py/" in m.name)]
+        if not members:
+            raise SystemExit(f"{sdist}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
+        tar.extractall(tmp / "sdist", members=members, filter="data")
+    return next((tmp / "sdist").rglob("convert_hf_to_gguf.py"))
+
+
+def gguf_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    def counted(name: str) -> bool:
+        return name in _GGUF_COUNTED or (name.startswith("blk.") and name.split(".")[2] in _GGUF_LINEARS)
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if counted(t.name))
+
+
+def quantize_gguf(src: Path, out: Path, ftype: str) -> None:
+    import llama_cpp as L
+
+    params = L.llama_model_quantize_default_params()
+    params.ftype = getattr(L, LLAMA_FTYPES[ftype])
+    params.nthread = 2
+    rc = L.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize {ftype} failed with {rc}")
+
+
+class LlamaScorer:
+    """A scoring function for :func:`edgeq.fidelity.compare`: llama.cpp's logits for exactly the given token ids."""
+
+    def __init__(self, path: Path, ctx: int):
+        import llama_cpp as L
+
+        self.llm = L.Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=2, verbose=False)
+
+    def __call__(self, ids):
+        import numpy as np
+        import torch
+
+        tokens = ids[0].tolist()
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return torch.from_numpy(np.array(self.llm.scores[: len(tokens)], dtype=np.float32)).unsqueeze(0)
+
+
+def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None) -> list:
+    script = converter(sdist, tmp)
+    bf16 = tmp / "tiny-prose-bf16.gguf"
+    subprocess.run([sys.executable, str(script), str(FIXTURE), "--outtype", "bf16", "--outfile", str(bf16)],
+                   check=True, capture_output=True)
+    rows = []
+    for ftype in ftypes:
+        path = tmp / f"tiny-prose-{ftype}.gguf"
+        quantize_gguf(bf16, path, ftype)
+        rep = F.compare(ref, LlamaScorer(path, ctx), tokenizer=ref.tokenizer, ctx=ctx, max_tokens=max_tokens)
+        print(f"  llama.cpp {ftype}: mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
+        rows.append((f"llama.cpp {ftype} (no imatrix)", gguf_bytes(path), rep))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------- table
+def table(rows) -> str:
+    lines = ["| arm | linears + head + embeddings | mean KLD (± se) | same top-1 | PPL ratio |", "|---|---|---|---|---|"]
+    for label, nbytes, r in rows:
+        lines.append(f"| {label} | {nbytes / 2**20:.2f} MiB | {r.kld_mean:.5f} ± {r.kld_mean_err:.5f} | "
+                     f"{100 * r.top1_agreement:.1f}% | {r.ppl_ratio:.4f} |")
+    r = rows[0][2]
+    lines.append(f"\n{r.tokens_scored} tokens scored ({r.windows} windows of ctx {r.ctx}, scored {r.score}).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", default=",".join(EDGEQ_ARMS), help=f"edgeq arms, from {', '.join(EDGEQ_ARMS)}")
+    ap.add_argument("--llama", default=",".join(LLAMA_FTYPES), help="llama.cpp types ('' to skip)")
+    ap.add_argument("--llama-sdist", type=Path, default=Path("/tmp/llamadl/llama_cpp_python-0.3.36.tar.gz"),
+                    help="the llama-cpp-python sdist whose vendor/llama.cpp/convert_hf_to_gguf.py converts the model")
+    ap.add_argument("--ctx", type=int, default=F.DEFAULT_CTX)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the raw reports here")
+    a = ap.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    unknown = [x for x in arms if x not in EDGEQ_ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; valid: {', '.join(EDGEQ_ARMS)}")
+    ref = load(FIXTURE)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgeq-quality-") as td:
+        tmp = Path(td)
+        for label in arms:
+            nbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens)
+            print(f"  {label}: {nbytes} bytes, mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
+            rows.append((f"edgeq {label}", nbytes, rep))
+        ftypes = [x for x in a.llama.split(",") if x]
+        why = llama_available() if ftypes else "skipped (--llama '')"
+        if why is None:
+            rows += llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens)
+        else:
+            print(f"llama.cpp arms not run: {why}", file=sys.stderr)
+    print(table(rows))
+    if a.json:
+        a.json.write_text(json.dumps([{"arm": l, "bytes": b, "report": r.to_dict()} for l, b, r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()
