@@ -102,7 +102,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)  # ties: the lowest id first, as argmax
         before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of strictly more likely tokens
         sorted_p[before >= params.top_p] = 0  # keeps the smallest prefix reaching top_p, and always the first
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
