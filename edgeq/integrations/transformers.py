@@ -114,10 +114,11 @@ class EdgeqHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             raise ValueError("edgeq quantises offline, not inside from_pretrained: run `edgeq quantize MODEL -o OUT`, "
                              "then `import edgeq` and from_pretrained(OUT)")
-        elsewhere = _non_cpu(kwargs.get("device_map"))
+        device_map = kwargs.get("device_map")
+        elsewhere = _non_cpu(device_map)
         if elsewhere:
-            raise ValueError(f"device_map places {elsewhere} off the CPU: edgeq checkpoints run on the CPU only; "
-                             "load without device_map (or device_map='cpu')")
+            raise ValueError(f"device_map={device_map!r}: {', '.join(elsewhere)} is not the CPU; edgeq checkpoints run "
+                             "on the CPU only: load without device_map (or device_map='cpu')")
 
     def update_dtype(self, dtype):
         if dtype is not None and dtype != torch.bfloat16:
@@ -176,8 +177,7 @@ def _non_cpu(device_map) -> list[str]:
     if device_map is None:
         return []
     values = device_map.values() if isinstance(device_map, dict) else [device_map]
-    return sorted({str(v) for v in values if str(v) not in ("cpu", "torch.device('cpu')") and
-                   not (isinstance(v, torch.device) and v.type == "cpu")})
+    return sorted({str(v) for v in values if str(v) != "cpu"})  # str(torch.device("cpu")) == "cpu"
 
 
 def checkpoint_dir(model, checkpoint_files) -> Path:
