@@ -191,3 +191,33 @@ def test_without_import_edgeq_transformers_skips_the_quantization(checkpoints):
     assert r.stdout.strip() == "Linear"  # random weights, not edgeq's module
     assert "Unknown quantization type, got edgeq" in r.stderr
 
+
+
+def test_biases_and_modules_kept_in_bf16(tmp_path):
+    """Qwen2 (q/k/v biases inside the quantised modules) with down_proj kept in bf16 by a recipe: transformers
+    reports no missing or unexpected key, the kept Linears are plain and mapped, and the logits are the runtime's."""
+    from tiny_models import save_tiny
+
+    from edgeq.convert import convert
+    from edgeq.runtime import load
+
+    src = save_tiny("qwen2", tmp_path / "src")
+    recipe = tmp_path / "keep.toml"
+    recipe.write_text('name = "keepdown"\nmodel_types = ["qwen2"]\nkeep_bf16 = ["down_proj"]\n')
+    out = tmp_path / "out"
+    convert(src, out, scheme=Scheme.parse("w4a16-g32"), recipe=str(recipe))
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    kept = model.config.quantization_config.modules_to_not_convert
+    assert kept == [f"model.layers.{i}.mlp.down_proj" for i in range(len(kept))] and kept
+    for name in kept:
+        m = model.get_submodule(name)
+        assert type(m) is torch.nn.Linear and _mapped_file(m.weight.data_ptr()) == str((out / "model.safetensors").resolve())
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "Int4Linear" and q.bias is not None
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        ours = load(out, decode_ops="torch").forward(ids, use_cache=False)
+        assert torch.equal(model(ids).logits, ours)
