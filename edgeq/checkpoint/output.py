@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +32,10 @@ _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 def say(message: str) -> None:
-    """One line on stderr (writers report what they clean up and warn before a long write)."""
-    print(message, file=sys.stderr, flush=True)
+    """One line on stderr, also under -q and --json (what a writer removed or restored, a warning about its output)."""
+    from edgeq.cli_output import err  # noqa: PLC0415 (everything edgeq prints goes through cli_output)
+
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 def check_output_path(out: str | Path, inputs: Iterable[str | Path]) -> None:
