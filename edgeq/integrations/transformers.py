@@ -139,7 +139,12 @@ class EdgeqHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
-        return False  # the checkpoint directory edgeq wrote is the serialised form; save_pretrained cannot rewrite it
+        """False: the directory edgeq wrote is the serialised form (transformers then refuses save_pretrained and
+        points at the logger's warnings: this one says what to do)."""
+        path = self.state.path if self.state is not None else "the edgeq checkpoint directory"
+        _logger().warning(f"edgeq: save_pretrained cannot write an edgeq checkpoint; {path} already is the saved "
+                          "model: copy that directory (or run `edgeq quantize` on the float model again)")
+        return False
 
     @property
     def is_trainable(self) -> bool:
