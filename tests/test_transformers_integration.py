@@ -180,6 +180,11 @@ def test_import_edgeq_is_cheap_and_registers_in_either_order():
     assert r.returncode == 0 and r.stdout.strip() == "EdgeqHfQuantizer", r.stderr
     r = _run("import transformers.quantizers.auto as a, edgeq; print(a.AUTO_QUANTIZATION_CONFIG_MAPPING['edgeq'].__name__)")
     assert r.returncode == 0 and r.stdout.strip() == "EdgeqConfig", r.stderr
+    # the integration module imported first: the hook fires while it is half-built, and it registers at its end
+    r = _run("import warnings; warnings.simplefilter('error')\n"
+             "from edgeq.integrations.transformers import EdgeqConfig\n"
+             "import transformers.quantizers.auto as a; print(a.AUTO_QUANTIZER_MAPPING['edgeq'].__name__)")
+    assert r.returncode == 0 and r.stdout.strip() == "EdgeqHfQuantizer", r.stderr
 
 
 def test_without_import_edgeq_transformers_skips_the_quantization(checkpoints):

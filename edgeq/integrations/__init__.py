@@ -17,6 +17,7 @@ import sys
 import warnings
 
 REGISTRY = "transformers.quantizers.auto"  # the module that defines register_quantizer / register_quantization_config
+INTEGRATION = "edgeq.integrations.transformers"  # edgeq's config and quantizer classes
 
 
 class EdgeqIntegrationWarning(UserWarning):
@@ -41,10 +42,14 @@ def register_transformers() -> bool:
     Any failure is one warning (once), never an exception."""
     if _state["registered"]:
         return True
+    partial = sys.modules.get(INTEGRATION)
+    if partial is not None and not hasattr(partial, "register"):
+        return False  # the hook fired while that module imports transformers' registry: its last line registers
     try:
         from edgeq.integrations import transformers as integration  # noqa: PLC0415 - needs transformers' registry
 
-        integration.register()
+        if not _state["registered"]:  # its import may have registered already (its last line)
+            integration.register()
     except Exception as e:  # noqa: BLE001 - a transformers we do not understand must not break anyone's import
         _warn_once(f"edgeq could not register its transformers quantizer ({type(e).__name__}: {e}); "
                    "AutoModelForCausalLM.from_pretrained on an edgeq checkpoint will NOT load its weights here. "

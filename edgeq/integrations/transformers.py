@@ -41,7 +41,7 @@ from edgeq.errors import EdgeqError
 
 METHOD = "edgeq"
 MANIFEST = "edgeq_manifest.json"
-LEGACY_KEYS = {"modules_not_converted": "modules_to_not_convert"}  # written before the HF-style spelling
+LEGACY_SKIP_KEY = "modules_not_converted"  # the skip list's name before the HF spelling modules_to_not_convert
 
 
 class EdgeqConfig(QuantizationConfigMixin):
@@ -54,10 +54,9 @@ class EdgeqConfig(QuantizationConfigMixin):
 
     def __init__(self, quant_method: str = METHOD, bits: int = 4, sym: bool = False,
                  modules_to_not_convert: list[str] | None = None, **fields):
-        for old, new in LEGACY_KEYS.items():
-            value = fields.pop(old, None)
-            if new == "modules_to_not_convert" and modules_to_not_convert is None:
-                modules_to_not_convert = value
+        legacy = fields.pop(LEGACY_SKIP_KEY, None)
+        if modules_to_not_convert is None:
+            modules_to_not_convert = legacy
         self.quant_method = quant_method
         self.bits = bits
         self.sym = sym
@@ -248,3 +247,10 @@ def finish(model, state: EdgeqState) -> None:
         state.prefill_crossover, state.crossover_source = loader._crossover(state.runtime, quantized, state.info, None)
         state.runtime.prefill_threshold = state.prefill_crossover
     state.path_counts.clear()  # the crossover probe's calls are not the model's
+
+
+# Importing this module first (before transformers' registry) fires the registry's import hook while this module is
+# half-built; the hook then leaves the registration to this line.
+from edgeq.integrations import register_transformers  # noqa: E402
+
+register_transformers()
