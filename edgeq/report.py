@@ -101,6 +101,7 @@ class EdgeqInfo:
     quantized_modules: int
     modules_not_converted: dict
     created_by: dict
+    group_sizes: tuple = ()  # ((module, G), ...) where a recipe made G finer than the scheme's
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,7 @@ def _edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list
         head_quantized=bool(head.get("quantized")) and HEAD_MODULE in modules, head_source=str(head.get("source")),
         untied=bool(head.get("untied")), quantized_modules=len(modules),
         modules_not_converted=dict(manifest.modules_not_converted), created_by=dict(manifest.created_by),
+        group_sizes=tuple(sorted(manifest.group_sizes.items())),
     )
     bits = 8 * q_bytes / q_weights if q_weights else None
     return info, rows, modules, params, bits, manifest
@@ -1065,6 +1067,10 @@ def _render_edgeq(report: InspectReport, out) -> None:
     e = report.edgeq
     out.print(f"  {e.scheme} · method {e.method} · kernel {e.kernel} · {report.effective_bits or 0:.2f} bits per "
               f"quantised weight, {report.bits_per_parameter:.2f} bits per parameter overall", highlight=False)
+    for g in sorted({g for _, g in e.group_sizes}):  # a recipe's finer groups (docs/format.md)
+        names = [m for m, mg in e.group_sizes if mg == g]
+        out.print(f"  group size {g} for {len(names)} module(s): {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}; "
+                  f"the rest {e.group_size}", highlight=False)
     s = e.layout_stored
     color = "green" if e.layout_matches else "yellow"
     if e.kernel == w4a8_layout.KERNEL:

@@ -65,7 +65,7 @@ def test_plan_bytes_follow_each_entry_group(tmp_path):
     assert ("lm_head.scales_and_zeros", "BF16", (128 // 32, 256, 2)) in head.out_tensors(plan.scheme)
 
 
-def test_per_module_groups_round_trip_quantize_load_generate(tmp_path):
+def test_per_module_groups_round_trip_quantize_load_generate(tmp_path, capsys):
     from edgeq.runtime import generate_ids, load
     from edgeq.runtime.qlinear import Int4Linear
 
@@ -103,6 +103,18 @@ def test_per_module_groups_round_trip_quantize_load_generate(tmp_path):
     assert (logits - want).abs().max() < 0.05 * want.abs().max()
     new = generate_ids(lm, [1, 5, 9], 4)[0]
     assert len(new) == 4 and all(0 <= t < 256 for t in new)
+    # inspect reports the per-module choice (report field and text)
+    from edgeq.report import inspect_checkpoint
+    from test_quantize_errors import run_cli
+
+    r = inspect_checkpoint(out)
+    from edgeq.convert import tokenizer_problem
+
+    assert r.problems == (tokenizer_problem(out),)  # the tiny model has no tokenizer files; nothing else is wrong
+    assert dict(r.edgeq.group_sizes) == man.group_sizes and r.edgeq.group_size == 128
+    code, text, _ = run_cli(["inspect", str(out)], capsys)
+    assert code == 0 and "group size 32 for 1 module(s): lm_head; the rest 128" in text
+    assert "group size 64 for 2 module(s): model.layers.0.self_attn.v_proj" in text
 
 
 def test_uniform_checkpoint_has_no_group_sizes_record(tmp_path):
