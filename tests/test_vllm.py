@@ -3,9 +3,18 @@
 - Slicing and split rules (edgeq/integrations/vllm_slices.py): pure torch, run in every environment.
 - Serving (skipped without vLLM; CI runs them in the second environment, .ci/run): the bundled model quantised with
   `edgeq quantize --scheme w4a16-g128` and `--scheme w4a8-g128`, served by vLLM's offline ``LLM(...)`` with greedy
-  sampling, gives the same 32 tokens as ``edgeq.runtime.load`` on several prompts; tensor_parallel_size=2 gives the
-  same tokens as 1; a checkpoint packed for another layout is repacked with the runtime's warning, or refused under
+  sampling for 32 tokens on four prompts, against ``edgeq.runtime.load``; tensor_parallel_size=2 against 1; a
+  checkpoint packed for another layout is repacked with the runtime's warning, or refused under
   ``EDGEQ_STRICT_LAYOUT=1`` with the runtime's message, never run as is.
+
+What "the same tokens" means. The quantised layers are the runtime's own modules on both sides, but vLLM runs its own
+attention, RMSNorm, RoPE and SiLU kernels (and, at tp=2, sums partial products in a bf16 all-reduce), which round
+differently; on this tiny model the greedy choice is often a near tie (top logprobs around -3.5). So the check is
+teacher-forced, on vLLM's own tokens: every vLLM logprob is within TOL nats of the runtime's for the same token
+and prefix (TOL = 0.1 for W4A16, measured at most 0.041; 0.25 for W4A8, whose int8 activations turn the small
+differences into whole int8 steps, measured at most 0.134), every vLLM token is the runtime's best or within TOL
+of it, and vLLM's tokens equal the runtime's greedy ones (tp=2: the tp=1 run's) up to the first position where the
+runtime's best two are within TOL, where either pick is legitimate and the rest of the text may follow it.
 
 Each engine runs in a child process (this file run as a script: vLLM's engine spawns processes and wants a
 ``__main__`` guard), which prints one ``EDGEQ_RESULT {json}`` line; one engine serves all prompts of a case.
@@ -41,6 +50,10 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install -e '.[vllm]'; CI's second environment)")
 THRESHOLD = 1024  # the kernel path for every M on both sides (module docstring)
 MAX_TOKENS = 32
+# nats (module docstring). W4A16: vLLM's own attention/RMSNorm/RoPE/SiLU round differently (measured <= 0.041);
+# W4A8 quantises those slightly different activations to int8 per token, and a value that lands on the other side of
+# a rounding boundary moves by a whole int8 step (measured <= 0.134).
+TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25}
 PROMPTS = ["The cat", "Once upon a time, in a small village,", "def main():\n    return", "Python is"]
 
 
@@ -199,38 +212,80 @@ def prompt_ids() -> list[list[int]]:
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
-def _runtime_tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+def _reference(path: Path, prompts: list[list[int]], result: list[dict]) -> list[dict]:
+    """Per prompt, from ``edgeq.runtime.load``: its own greedy tokens, and over vLLM's tokens (teacher-forced, one
+    forward without cache) the log-probability of each vLLM token, its gap to the runtime's best, and the gap between
+    the runtime's best two (small: a near tie, which kernels that differ legitimately may break either way)."""
     from edgeq.runtime.generate import generate_ids
     from edgeq.runtime.loader import load
 
     lm = load(path, prefill_threshold=THRESHOLD, max_model_len=512)
-    return [generate_ids(lm, p, MAX_TOKENS)[0] for p in prompts]
+    out = []
+    for p, r in zip(prompts, result):
+        lp = lm.forward(torch.tensor([p + r["ids"]]), use_cache=False)[0, len(p) - 1 : -1].float().log_softmax(-1)
+        chosen = lp.gather(1, torch.tensor(r["ids"])[:, None])[:, 0]
+        top2 = lp.topk(2, dim=-1).values
+        out.append({"greedy": generate_ids(lm, p, MAX_TOKENS)[0], "chosen": chosen, "gap": top2[:, 0] - chosen,
+                    "tie": top2[:, 0] - top2[:, 1]})
+    return out
 
 
-def _check_served(result, log: str, want: list[list[int]]) -> None:
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _check_served(result, log: str, path: Path, prompts: list[list[int]], others: list[list[int]] | None = None,
+                  tol: float = TOLS["w4a16-g128"]) -> None:
+    """vLLM's tokens against the runtime's (module docstring): every logprob within TOL of the runtime's for the same
+    token and prefix; every token the runtime's best or within TOL of it; the same tokens as the runtime's greedy
+    decoding (and as ``others``, another vLLM run) up to the first near tie (the runtime's best two within TOL).
+    TOL is ``tol``: :data:`TOLS`."""
     assert result is not None, f"vLLM did not serve the checkpoint:\n{log[-4000:]}"
-    got = [r["ids"] for r in result]
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"prompt {PROMPTS[i]!r}: vLLM {g} != edgeq.runtime {w}"
-    assert all(len(r["logprobs"]) == MAX_TOKENS for r in result)
+    for i, (r, ref) in enumerate(zip(result, _reference(path, prompts, result))):
+        where = f"prompt {PROMPTS[i]!r}: vLLM {r['ids']}"
+        assert len(r["ids"]) == MAX_TOKENS and len(r["logprobs"]) == MAX_TOKENS, where
+        diff = (ref["chosen"] - torch.tensor(r["logprobs"])).abs().max().item()
+        assert diff <= tol, f"{where}: logprob differs from edgeq.runtime's by {diff:.3f} > {tol}"
+        assert ref["gap"].max().item() <= tol, f"{where}: a token {ref['gap'].max().item():.3f} below the runtime's best"
+        for label, want in (("edgeq.runtime", ref["greedy"]), ("the other vLLM run", others[i] if others else None)):
+            n = _common(r["ids"], want) if want is not None else MAX_TOKENS
+            assert n == MAX_TOKENS or ref["tie"][n].item() <= tol, (
+                f"{where} != {label} {want}: they part at token {n}, where the runtime's best two are "
+                f"{ref['tie'][n].item():.3f} apart (> {tol}, not a near tie)")
+
+
+_SERVED: dict[tuple[str, int], list[dict]] = {}
+
+
+def _served(path: Path, tp: int, prompts: list[list[int]]) -> tuple[list[dict] | None, str]:
+    key = (str(path), tp)
+    if key not in _SERVED:
+        result, log = _serve(path, tp, prompts)
+        if result is None:
+            return None, log
+        _SERVED[key] = result
+    return _SERVED[key], ""
 
 
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a8-g128"])
-def test_vllm_serves_the_same_tokens_as_the_runtime(checkpoints, prompt_ids, scheme):
-    """32 greedy tokens on every prompt, vLLM (tp=1) == edgeq.runtime.load, for both kernels."""
-    result, log = _serve(checkpoints[scheme], 1, prompt_ids)
-    _check_served(result, log, _runtime_tokens(checkpoints[scheme], prompt_ids))
+def test_vllm_serves_the_runtimes_tokens(checkpoints, prompt_ids, scheme):
+    """32 greedy tokens on every prompt, vLLM (tp=1) against edgeq.runtime.load, for both kernels."""
+    result, log = _served(checkpoints[scheme], 1, prompt_ids)
+    _check_served(result, log, checkpoints[scheme], prompt_ids, tol=TOLS[scheme])
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_tensor_parallel_2_gives_the_same_tokens(checkpoints, prompt_ids):
-    """tp=2 splits every column-parallel layer on 64-row blocks and every row-parallel one on 128-input groups."""
+def test_tensor_parallel_2_gives_the_same_tokens_as_1(checkpoints, prompt_ids):
+    """tp=2 splits every column-parallel layer on 64-row blocks and every row-parallel one on whole groups; its
+    partial sums meet in vLLM's all-reduce, in bf16, so it may break a near tie the other way: nothing else."""
     path = checkpoints["w4a16-g128"]
-    result, log = _serve(path, 2, prompt_ids)
-    _check_served(result, log, _runtime_tokens(path, prompt_ids))
+    one, log1 = _served(path, 1, prompt_ids)
+    assert one is not None, log1[-4000:]
+    two, log = _served(path, 2, prompt_ids)
+    _check_served(two, log, path, prompt_ids, others=[r["ids"] for r in one])
 
 
 def _foreign_layout() -> tinygemm.TinygemmLayout:
@@ -254,7 +309,7 @@ def test_foreign_layout_is_repacked_with_the_warning_or_refused(checkpoints, pro
     result, log = _serve(foreign, 1, prompt_ids[:2])
     assert "LayoutRepackWarning: REPACKED IN MEMORY: checkpoint layout" in log
     assert "repacking 29 tensors took" in log  # 4 layers x (qkv as q, k, v + o + gate, up + down) + the head
-    _check_served(result, log, _runtime_tokens(native, prompt_ids[:2]))
+    _check_served(result, log, native, prompt_ids[:2])
 
 
 if __name__ == "__main__":
