@@ -90,6 +90,9 @@ def write_gptq(edgeq_dir: Path, out: Path) -> None:
         if module in quantized and suffix == "qweight":
             qw, sz = files.get(name), files.get(f"{module}.scales_and_zeros")
             n, k = qw.shape[0], qw.shape[1] * 2
+            if k // sz.shape[0] != g:  # a recipe's per-module group_sizes: GPTQ's config has one group size
+                raise SystemExit(f"{module}: group size {k // sz.shape[0]}, not the scheme's {g}; quantise the "
+                                 "benchmark model with one group size for every module")
             q = tinygemm.unpack(qw, n, k, layout)  # [N, K]
             tensors[f"{module}.qweight"] = _pack_words(q.t(), 0)  # [K/8, N]
             tensors[f"{module}.qzeros"] = _pack_words(torch.full((k // g, n), 7), 1)  # [K/G, N/8]
