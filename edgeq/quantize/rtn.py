@@ -6,7 +6,7 @@ For each group of G consecutive input channels of each output row (weight w [N, 
     q     = clamp(round((w - (zero - 8 * scale)) / scale), 0, 15)     w_hat = (q - 8) * scale + zero
 
 - ``method="minmax"``: ``[lo, hi]`` is the group's min/max;
-- ``method="clip"`` (the default before 0.2): that range shrunk about its centre by the ratio from
+- ``method="clip"`` (the default until the least-squares search; checkpoints from then say "rtn"): that range shrunk about its centre by the ratio from
   :data:`CLIP_RATIOS` that gives the least squared reconstruction error for that group;
 - ``method="rtn"`` (the default): the least-squares (scale, zero) search of :func:`edgeq.quantize.search.lsq_search`
   (candidate steps, a closed-form affine refit of the codes, bf16 rounding, Lloyd refinement) with the min/max and
