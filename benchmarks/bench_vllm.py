@@ -61,10 +61,20 @@ def build(work: Path, shape: str, smoke: bool) -> tuple[Path, Path]:
         synthetic.write(SMOKE_SHAPE if smoke else synthetic.SHAPES[shape], hf)
     if not edgeq_dir.exists():
         subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(hf), "-o", str(edgeq_dir),
-                        "--scheme", "w4a16-g128"], check=True)
+                        "--scheme", "w4a16-g128", "--recipe", str(uniform_recipe(hf, work))], check=True)
     if not gptq_dir.exists():
         write_gptq(edgeq_dir, gptq_dir)
     return edgeq_dir, gptq_dir
+
+
+def uniform_recipe(hf: Path, work: Path) -> Path:
+    """The model family's recipe without per-module ``group_sizes``: one group size everywhere, as GPTQ's config
+    can say (the same integers and scales on both vLLM arms)."""
+    model_type = read_json(hf / "config.json")["model_type"]
+    text = (ROOT / "recipes" / f"{model_type}.toml").read_text()
+    out = work / f"{model_type}-uniform.toml"
+    out.write_text("".join(line for line in text.splitlines(keepends=True) if not line.startswith("group_sizes")))
+    return out
 
 
 def _pack_words(v: torch.Tensor, dim: int) -> torch.Tensor:
