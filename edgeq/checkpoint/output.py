@@ -49,9 +49,9 @@ def check_output_path(out: str | Path, inputs: Iterable[str | Path]) -> None:
                              "alter the input (also with --force); choose an output directory outside it")
 
 
-def temp_dir(out: Path, kind: str, pid: int | None = None) -> Path:
-    """The hidden sibling of ``out`` that process ``pid`` (default: this one) writes or sets aside."""
-    return out.parent / f".{out.name}.edgeq-{kind}-{os.getpid() if pid is None else pid}"
+def temp_dir(out: Path, kind: str) -> Path:
+    """The hidden sibling of ``out`` this process writes (``tmp``, ``repack``) or sets the old ``out`` aside to."""
+    return out.parent / f".{out.name}.edgeq-{kind}-{os.getpid()}"
 
 
 def _running(pid: int) -> bool:
