@@ -36,9 +36,10 @@ def ckpt(tmp_path, fixture_quantized):
 def test_permuted_layers_give_identical_logits_with_one_gather(ckpt, fixture_quantized):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     ref = load(fixture_quantized).model(ids).logits
-    # a permutation inside each group of 128 keeps every group's scale and zero valid
+    # a permutation inside each group of 32 (the finest group; q/k/v are g32 under the llama recipe) keeps every
+    # group's scale and zero valid
     g = torch.Generator().manual_seed(1)
-    perm = torch.cat([torch.randperm(128, generator=g), 128 + torch.randperm(128, generator=g)])
+    perm = torch.cat([32 * i + torch.randperm(32, generator=g) for i in range(8)])
     _permute(ckpt, perm)
     lm = load(ckpt)
     assert torch.equal(lm.model(ids).logits, ref)
