@@ -760,7 +760,8 @@ def test_end_to_end_on_the_bundled_model(fixture_model, fixture_quantized, tmp_p
     assert rep.tokens_scored == 200 and rep.windows == 4 and not rep.partial
     # a real 4-bit model of this size: measurably different, still the same model
     assert 0.001 < rep.kld_mean < 0.1 and 0.75 < rep.top1_agreement < 1.0
-    assert 1.0 < rep.ppl_ratio < 1.1 and rep.nll_correlation > 0.98
+    # 200 tokens: the default's (least-squares rounding, finer head) PPL ratio is 0.988 here, within sampling noise
+    assert 0.95 < rep.ppl_ratio < 1.1 and rep.nll_correlation > 0.98
     names = {e.name for e in rep.per_layer}
     assert rep.per_layer_count == 29 and len(names) == 29  # 4 layers x 7 linears + the untied, quantised head
     assert "lm_head" in names and "model.layers.0.mlp.down_proj" in names
