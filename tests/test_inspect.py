@@ -574,7 +574,7 @@ GOLDEN = {
     ".model": {"architecture", "model_type", "parameters", "layers", "hidden_size", "vocab_size", "tie_word_embeddings"},
     ".files": {"shards", "bytes", "tensor_bytes", "tensors"},
     ".bytes_by_category": {"quantized_linears", "linears_unquantized", "head", "embeddings", "norms", "other"},
-    ".edgeq": {"format_version", "scheme", "group_size", "method", "kernel", "layout_stored", "layout_machine",
+    ".edgeq": {"format_version", "scheme", "group_size", "group_sizes", "method", "kernel", "layout_stored", "layout_machine",
                "layout_matches", "on_load", "head_quantized", "head_source", "untied", "quantized_modules",
                "modules_not_converted", "created_by"},
     ".foreign": {"format", "quant_method", "bits", "group_size", "symmetric", "act_order", "head", "quantized_modules",
