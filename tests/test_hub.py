@@ -177,3 +177,14 @@ def test_environment_variables_in_a_fresh_process(cache, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["path"] == _snap(cache, W4, REV_W4)
+
+
+def test_repack_refuses_a_hub_id_naming_the_fix(capsys, tmp_path, monkeypatch):
+    """repack writes in place: a hub id (never a directory here) is refused before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["repack", "org/some-model"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip() == ("error: org/some-model: repack rewrites a local checkpoint directory, and this is a hub id; "
+                           "download it first (huggingface-cli download org/some-model --local-dir DIR), then run "
+                           "edgeq repack DIR")
+    assert list(tmp_path.iterdir()) == []

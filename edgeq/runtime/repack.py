@@ -48,6 +48,11 @@ def _metadata(shard: Path) -> dict | None:
 
 def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackReport:
     """Repack ``path`` in place (or into ``out``) for ``layout`` (default: this machine's)."""
+    from edgeq.hub import is_hub_id  # noqa: PLC0415
+
+    if is_hub_id(path):  # repack writes files: never into the hub cache, whose snapshots other programs share
+        raise EdgeqError(f"{path}: repack rewrites a local checkpoint directory, and this is a hub id; download it "
+                         f"first (huggingface-cli download {path} --local-dir DIR), then run edgeq repack DIR")
     src = Path(path).resolve()
     dst = Path(out).resolve() if out is not None else src
     config = read_json(src / "config.json")
