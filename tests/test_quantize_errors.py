@@ -226,7 +226,8 @@ def test_dry_run_reads_no_weights(tmp_path, capsys, src, monkeypatch):
     plan = json.loads(out)
     head = [r for r in plan["plan"] if r["role"] == "head"]
     assert head == [{"name": "lm_head.weight", "shape": [256, 128], "dtype": "BF16", "role": "head", "action": "quantize",
-                     "bytes_in": 65536, "bytes_out": 256 * 64 + 256 * 4, "reason": "untied from model.embed_tokens.weight"}]
+                     "bytes_in": 65536, "bytes_out": 256 * 64 + (128 // 32) * 256 * 4,  # the llama recipe's g32 head
+                     "reason": "untied from model.embed_tokens.weight", "group_size": 32}]
     assert plan["tied"] is True and plan["problems"] == []
 
 

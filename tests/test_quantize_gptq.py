@@ -360,7 +360,7 @@ def test_refusals(tmp_path, capsys):
     expect(lambda q: q.update(bits=3), "3-bit GPTQ is not supported")
     expect(lambda q: q.update(dynamic={"-:.*mlp.*": {}}), "the config's dynamic excludes it from quantisation")
     expect(lambda q: None, "already GPTQ-quantised; edgeq repacks it exactly", "--method", "gptq")
-    expect(lambda q: None, "unknown method 'awq'", "--method", "awq")
+    expect(lambda q: None, "unknown --method 'awq'", "--method", "awq")
     # a float checkpoint: the ingest options are refused
     code, _, err = run_cli(["quantize", str(FIXTURE), "-o", str(tmp_path / "o2"), "-q", "--requantize"], capsys)
     assert code == 2 and "--requantize and --head-from apply to GPTQ input" in err
@@ -589,7 +589,8 @@ def test_method_gptq_on_the_fixture_beats_rtn(tmp_path, capsys, fixture_model, f
     for m in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj", "lm_head"):
         src = "model.embed_tokens.weight" if m == "lm_head" else f"{m}.weight"
         w = ref_ck.read(src).double()
-        _, _, w_hat, perm = read_module(tmp_path / "gptq", m, 128)
+        g = read_manifest(tmp_path / "gptq").group_sizes.get(m, 128)  # the llama recipe's g32 modules
+        _, _, w_hat, perm = read_module(tmp_path / "gptq", m, g)
         assert perm is not None and float((w_hat - w).norm() / w.norm()) < 0.25, m
     ref = load(fixture_model, kv_cache_bytes=16 << 20)
     kld = {name: F.compare(ref, load(path, kv_cache_bytes=16 << 20), ctx=256, max_tokens=1500).kld_mean
