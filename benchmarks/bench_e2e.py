@@ -161,7 +161,8 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
                         f"decode {e['decode_path']}" + (f" ({(e.get('native') or {}).get('isa')})" if e.get("native") else "")
                         + f", prefill {e['prefill_path']}"
                         + (f" at M >= {e['prefill_crossover']}" if e.get("prefill_crossover") is not None else "")
-                        + (f" ({e['path_note']})" if e.get("path_note") else ""))
+                        + (f" ({e['path_note']})" if e.get("path_note") else "")
+                        + f", loop {e.get('decode_loop')}, decode ops {e.get('decode_ops')}")
             lines.append(f"- {model} {s.label}: {desc}; {paths}")
     for model, prep, report in results:
         for f in report.flags:
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", default="256MiB")
     ap.add_argument("--no-gguf", action="store_true")
     ap.add_argument("--no-w4a8", action="store_true", help="skip the w4a8-g128 arm")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference arm (the slowest: ~4 tok/s decode)")
     # llama.cpp as its users run it: repacked weights (CPU_REPACK / AMX extra buffer types) are its default. Where
     # they crash (llama.cpp 0.3.36's AMX path died with SIGILL on a Sapphire Rapids VM) the arm falls back to
     # no-repack and every table says so; --llama-no-repack forces that mode (a lower bound for llama.cpp).
@@ -214,7 +216,8 @@ def main() -> None:
         arms = [Arm("A", str(prep["quantized"]), **common)]
         if prep["w4a8"] is not None:
             arms.append(Arm("W", str(prep["w4a8"]), **common))
-        arms.append(Arm("B", str(prep["src"]), **common))
+        if not args.no_bf16:
+            arms.append(Arm("B", str(prep["src"]), **common))
         if prep["gguf"] is not None:
             from edgeq.bench import default_context  # noqa: PLC0415
 
