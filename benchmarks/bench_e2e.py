@@ -178,7 +178,7 @@ def llama_repack_mode(gguf: Path, args, ctx: int) -> str:
     if args.llama_no_repack:
         return "forced by --llama-no-repack"
     probe = run_bench([Arm("G", str(gguf), kind="gguf", threads=args.threads, max_model_len=ctx)],
-                      BenchConfig(prompt_len=8, gen_len=4, passes=1), progress=lambda m: None)
+                      BenchConfig(prompt_len=8, gen_len=4, passes=1), progress=lambda m: None, min_passes=1)
     if probe.ok:
         return "on"
     why = str(probe.failures[0].get("error", probe.failures[0]))[:160]
