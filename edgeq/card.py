@@ -17,7 +17,6 @@ tinygemm_w4a16, scale and zero side by side). w4a16-g128: (N*K/2 + 4*N*K/128) by
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import re
@@ -66,15 +65,9 @@ def source_name(path: Path | str) -> str:
 
 
 def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise EdgeqError(f"{path}: missing; a model card describes an edgeq checkpoint (run `edgeq quantize` first)") from e
-    except ValueError as e:
-        raise EdgeqError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise EdgeqError(f"{path}: expected a JSON object")
-    return data
+    from edgeq.runtime.qinfo import read_json  # noqa: PLC0415 - the one JSON-object reader
+
+    return read_json(path, "; a model card describes an edgeq checkpoint (run `edgeq quantize` first)")
 
 
 def bits_per_weight(manifest: dict, group_size: int) -> float:

@@ -41,11 +41,13 @@ class QuantInfo:
         return dict(self.group_sizes).get(module, self.scheme.group_size)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, missing_hint: str = "") -> dict:
+    """The JSON object in ``path``; an :class:`EdgeqError` naming the file when it is missing (plus ``missing_hint``,
+    e.g. "; run `edgeq quantize` first"), not JSON, or not an object."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise EdgeqError(f"{path}: missing") from e
+        raise EdgeqError(f"{path}: missing{missing_hint}") from e
     except ValueError as e:
         raise EdgeqError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict):
