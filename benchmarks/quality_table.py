@@ -93,7 +93,8 @@ def converter(sdist: Path, tmp: Path) -> Path:
     """llama.cpp's convert_hf_to_gguf.py: the sdist's vendored copy, extracted (with its sibling modules)."""
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
-                   (m.name.endswith("convert_hf_to_gguf.py") or "/vendor/llama.cpp/gguf-py/" in m.name)]
+                   (m.name.endswith("convert_hf_to_gguf.py") or "/vendor/llama.cpp/gguf-py/" in m.name
+                    or "/vendor/llama.cpp/conversion/" in m.name)]  # the converter's per-architecture modules
         if not members:
             raise SystemExit(f"{sdist}: no vendor/llama.cpp/convert_hf_to_gguf.py inside")
         tar.extractall(tmp / "sdist", members=members, filter="data")
