@@ -7,6 +7,7 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py sdpa                                  # decode SDPA: enable_gqa vs GQA folded into q
     python benchmarks/probes.py embedding-rss CKPT [--cat]            # RssFile of 512 random embedding lookups
     python benchmarks/probes.py w4a8-scalar                           # native W4A8 scalar/vnni vs the portable path
+    python benchmarks/probes.py verify-cost CKPT                      # --verify's sha256 of every shard, s per GB
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -120,21 +121,41 @@ def w4a8_scalar(args) -> None:
         print(f"M = {m}: " + ", ".join(f"{a} {_median_us(f, 10) / 1e3:.2f} ms" for a, f in arms.items()))
 
 
+def verify_cost(args) -> None:
+    """What `--verify` / verify=True adds: sha256 of every shard from the page cache (docs/runtime.md)."""
+    from edgeq.checkpoint.safetensors_io import sha256_file
+
+    files = sorted(Path(args.checkpoint).glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.read_bytes()  # into the page cache: the figure is the hash, not the disk
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for f in files:
+            sha256_file(f)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"{total / 1e9:.2f} GB in {len(files)} shards: sha256 {times[1]:.2f} s median [{times[0]:.2f}-{times[2]:.2f}]"
+          f" -> {times[1] / (total / 1e9):.2f} s per GB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar"])
+    ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
+                                          "verify-cost"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--cat", action="store_true", help="embedding-rss: read the files sequentially first")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.probe in ("profile-prefill", "embedding-rss") and not args.checkpoint:
+    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost") and not args.checkpoint:
         ap.error(f"{args.probe} needs CHECKPOINT")
     print(f"# {args.probe}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
-     "w4a8-scalar": w4a8_scalar}[args.probe](args)
+     "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost}[args.probe](args)
 
 
 if __name__ == "__main__":
