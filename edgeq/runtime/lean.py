@@ -14,10 +14,11 @@ activation buffers of one token. A step writes into those with ``out=`` variants
 a step allocates are the outputs of ops that have no ``out=`` form (the int4 kernel's result of each projection and
 of the head, and SDPA's result when SDPA runs: docs/runtime.md counts them).
 
-Attention (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native single-query kernel
-(``edgeq.runtime.native.decode_attn``: fp32 softmax over the cache read in place, one rounding), several times
-faster than torch's flash-attention CPU kernel for one query, and close to it, not bit-equal (tests/test_lean.py
-bounds the logits); ``decode_ops="torch"`` keeps SDPA. With SDPA every op repeats the transformers computation
+Decode ops (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native ops around the projections
+(``edgeq.runtime.native``: ``decode_attn``, fp32 softmax over the cache read in place with one rounding, several
+times faster than torch's flash-attention CPU kernel for one query; ``add_rms_norm``; ``rope_to_cache``), close to
+the eager ops, not bit-equal (tests/test_lean.py bounds the logits); ``decode_ops="torch"`` keeps the eager ops and
+SDPA. With those every op repeats the transformers computation
 in the same order and dtype, so the logits are bit-identical to the transformers forward on the same cache
 (tests/test_lean.py), except on sliding-window layers past the window (SDPA over the window's slice instead of a
 masked full row: equal within bf16 rounding). Per layer, with x the bf16 residual [1, H]::

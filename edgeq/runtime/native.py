@@ -369,19 +369,8 @@ def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
     :class:`EdgeqError` when the library is unavailable or the arguments are wrong.
     """
     st = _state or _load()
-    if not st.available:
-        raise EdgeqError(f"native decode_attn is not available: {st.reason}")
-    try:
-        _attn_op(q, keys, values, start, end, scale, out, _ISA_CODE[st.isa] if isa is None else _isa_code(st, isa))
-    except RuntimeError as e:
-        raise EdgeqError(f"native decode_attn: {str(e).splitlines()[0]}") from e
-
-
-def _attn_op(*args):
-    """torch.ops.edgeq.decode_attn.default, looked up once."""
-    global _attn_op
-    _attn_op = torch.ops.edgeq.decode_attn.default
-    return _attn_op(*args)
+    isa_code = _isa_code(st, isa) if st.available else 0  # unavailable: _small_op raises with the reason
+    _small_op("decode_attn", q, keys, values, start, end, scale, out, isa_code)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -402,14 +391,12 @@ _SMALL_OPS: dict = {}
 
 
 def _small_op(name: str, *args) -> None:
-    """Call ``torch.ops.edgeq.<name>`` (looked up once), with the library's availability and argument errors as
-    :class:`EdgeqError`."""
-    op = _SMALL_OPS.get(name)
-    if op is None:
-        st = _state or _load()
-        if not st.available:
-            raise EdgeqError(f"native {name} is not available: {st.reason}")
-        op = _SMALL_OPS[name] = getattr(torch.ops.edgeq, name).default
+    """Call ``torch.ops.edgeq.<name>`` (looked up once) when the library is available here (checked every call, as
+    :func:`int4_mm` does), with its argument errors as :class:`EdgeqError`."""
+    st = _state or _load()
+    if not st.available:
+        raise EdgeqError(f"native {name} is not available: {st.reason}")
+    op = _SMALL_OPS.get(name) or _SMALL_OPS.setdefault(name, getattr(torch.ops.edgeq, name).default)
     try:
         op(*args)
     except RuntimeError as e:
