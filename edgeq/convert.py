@@ -39,7 +39,7 @@ import edgeq
 from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
 from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
 from edgeq.checkpoint.plan import group_sizes as plan_group_sizes
-from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
+from edgeq.checkpoint.reader import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from edgeq.checkpoint.recipe import Recipe, find_recipe
 from edgeq.checkpoint.output import prepare_output, say, staging
 from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
@@ -288,7 +288,6 @@ def _inputs(ckpt: Checkpoint, plan: Plan) -> list[Path]:
     return found
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: the runtime loads a tokenizer
 
 
 def tokenizer_problem(directory: Path) -> str | None:

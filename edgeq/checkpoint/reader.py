@@ -16,6 +16,10 @@ import torch
 from edgeq.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
 from edgeq.errors import EdgeqError
 
+# Any one of these lets transformers load a tokenizer from a checkpoint directory (convert warns without them, the
+# runtime then has no tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 CONVERT_HINT = (
     "convert it once with transformers: python -c \"from transformers import AutoModelForCausalLM as M; "

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from edgeq import env
+from edgeq.checkpoint.reader import TOKENIZER_FILES
 from edgeq.checkpoint.safetensors_io import sha256_file
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
@@ -426,7 +427,7 @@ def _generation_config(model: nn.Module, path: Path) -> None:
 
 
 def _tokenizer(path: Path):
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
         return None  # synthetic checkpoints (benchmarks) have no tokenizer
     from transformers import AutoTokenizer  # noqa: PLC0415
 
