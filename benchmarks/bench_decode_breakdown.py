@@ -45,7 +45,7 @@ CATEGORIES = ("matmul kernel", "head", "attention", "norms, RoPE, elementwise", 
 
 def _category(ev, vocab: int) -> str:
     name = ev.name
-    if name in ATTN_OPS or "w4a8" in name and "attn" in name:
+    if name in ATTN_OPS:
         return "attention"
     if name in ARGMAX_OPS:
         return "argmax"
