@@ -1,7 +1,7 @@
 """Does the clipping search pay? Weight reconstruction error and KLD, min/max RTN vs the default (RTN + clipping),
 on the bundled trained model, for every group size.
 
-Each arm is converted with `edgeq.convert.convert` (what ships), read back from disk, unpacked with the stored
+Each arm is converted with `edgeq.convert.pipeline.convert` (what ships), read back from disk, unpacked with the stored
 layout and dequantised into the transformers model in fp32; the reference is the same model with its bf16 weights
 in fp32, so the difference is quantisation alone. Text: the bundled held-out text (never trained on), windows of
 256 tokens, the second half of each window scored (as llama-perplexity does).
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from edgeq.checkpoint.manifest import read_manifest
-from edgeq.checkpoint.reader import open_checkpoint
-from edgeq.convert import convert
+from edgeq.io.manifest import read_manifest
+from edgeq.io.hf import open_checkpoint
+from edgeq.convert.pipeline import convert
 from edgeq.layouts import tinygemm as tg
 from edgeq.scheme import Scheme
 

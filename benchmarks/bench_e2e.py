@@ -7,7 +7,7 @@ docs/results.md: decode and prefill with spread, memory ledger, projection vs me
     python benchmarks/bench_e2e.py --no-gguf                         # skip the llama.cpp arm
 
 Checkpoints are built once in --workdir and reused (delete it to rebuild). Weights are random (speed and memory do
-not depend on the values). Every arm runs through `edgeq.bench.run_bench`: fresh process per pass, arms interleaved,
+not depend on the values). Every arm runs through `edgeq.bench.run.run_bench`: fresh process per pass, arms interleaved,
 failures suppress the comparison (docs/methodology.md).
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edgeq, whatever pip points at
 from synthetic import SHAPES, write  # noqa: E402
 
-from edgeq.bench import Arm, BenchConfig, compare, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
+from edgeq.bench.run import Arm, BenchConfig, compare, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
 SCHEME = "w4a16-g128"
@@ -219,7 +219,7 @@ def main() -> None:
         if not args.no_bf16:
             arms.append(Arm("B", str(prep["src"]), **common))
         if prep["gguf"] is not None:
-            from edgeq.bench import default_context  # noqa: PLC0415
+            from edgeq.bench.run import default_context  # noqa: PLC0415
 
             ctx = default_context(str(prep["quantized"]), args.kv_cache_bytes)
             repack = llama_repack_mode(prep["gguf"], args, ctx)

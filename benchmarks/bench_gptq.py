@@ -8,7 +8,7 @@ the CLI's defaults: GPTQ calibrates on the bundled calib-prose.txt, 128 x 512 to
 so its wall time and its peak resident memory (the child's ru_maxrss, from wait4) are the conversion's own. Arms are
 interleaved and their order rotates from pass to pass; the table shows the median and the range over passes.
 Fidelity is measured once per arm (conversion is deterministic; the passes' shard hashes are compared to show it)
-with `edgeq.fidelity.compare` against the bf16 model, both loaded with `edgeq.runtime.load` (the act-order arm
+with `edgeq.fidelity.core.compare` against the bf16 model, both loaded with `edgeq.runtime.load` (the act-order arm
 exercises the runtime's input permutation), on the bundled held-out text (disjoint from the calibration text).
 
 Output: a markdown table on stdout with machine, threads, torch and date; progress on stderr; --json for raw data.
@@ -55,7 +55,7 @@ def run_child(arm: str, out: Path, scheme: str, extra: list[str]) -> dict:
     the CLI's JSON report. The pipes are drained in threads so that wait4, not communicate(), reaps the child."""
     import threading
 
-    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(FIXTURE), "-o", str(out), "--scheme", scheme,
+    cmd = [sys.executable, "-m", "edgeq.cli.main", "quantize", str(FIXTURE), "-o", str(out), "--scheme", scheme,
            *ARMS[arm], *extra, "--json", "-q", "--force"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
@@ -78,7 +78,7 @@ def run_child(arm: str, out: Path, scheme: str, extra: list[str]) -> dict:
 
 
 def fidelity(arms: list[str], outs: dict[str, Path], ctx: int, max_tokens: int | None) -> dict:
-    from edgeq import fidelity as F
+    from edgeq.fidelity import core as F
     from edgeq.runtime import load
 
     ref = load(FIXTURE, kv_cache_bytes=16 << 20)

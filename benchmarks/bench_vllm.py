@@ -45,7 +45,7 @@ import synthetic  # noqa: E402
 
 from edgeq.layouts import tinygemm  # noqa: E402
 from edgeq.runtime.qinfo import MANIFEST, read_json  # noqa: E402
-from edgeq.runtime.weights import MappedFiles  # noqa: E402
+from edgeq.io.mapped import MappedFiles  # noqa: E402
 
 SMOKE_SHAPE = dict(synthetic.SHAPES["scaled"], hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
@@ -60,7 +60,7 @@ def build(work: Path, shape: str, smoke: bool) -> tuple[Path, Path]:
     if not hf.exists():
         synthetic.write(SMOKE_SHAPE if smoke else synthetic.SHAPES[shape], hf)
     if not edgeq_dir.exists():
-        subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(hf), "-o", str(edgeq_dir),
+        subprocess.run([sys.executable, "-m", "edgeq.cli.main", "quantize", str(hf), "-o", str(edgeq_dir),
                         "--scheme", "w4a16-g128", "--recipe", str(uniform_recipe(hf, work))], check=True)
     if not gptq_dir.exists():
         write_gptq(edgeq_dir, gptq_dir)
@@ -132,7 +132,7 @@ def _free_port() -> int:
 
 def _command(arm: str, edgeq_dir: Path, gptq_dir: Path, port: int, max_len: int, threads: int) -> list[str]:
     if arm == "edgeq-serve":
-        return [sys.executable, "-m", "edgeq.cli", "serve", str(edgeq_dir), "--port", str(port),
+        return [sys.executable, "-m", "edgeq.cli.main", "serve", str(edgeq_dir), "--port", str(port),
                 "--max-model-len", str(max_len), "--threads", str(threads), "--queue-size", "16"]
     model = edgeq_dir if arm == "vllm-edgeq" else gptq_dir
     return [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--dtype", "bfloat16",

@@ -4,7 +4,7 @@
     python benchmarks/fidelity_sweep.py --groups 128 --methods rtn --topk 32 --max-tokens 2000   # quick look
 
 Everything runs offline on edgeq/data/tiny-prose and the bundled held-out text (edgeq/data/heldout-prose.txt), through
-`edgeq.convert.convert` and `edgeq.runtime.load`, so the numbers are what `edgeq fidelity` prints. Statistics are
+`edgeq.convert.pipeline.convert` and `edgeq.runtime.load`, so the numbers are what `edgeq fidelity` prints. Statistics are
 deterministic (no timing): rerunning on the same torch build and CPU capability reproduces them. Output: markdown
 tables on stdout (paste into docs/results.md), and with --json the raw reports.
 """
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from edgeq import fidelity as F
-from edgeq.convert import convert
+from edgeq.fidelity import core as F
+from edgeq.convert.pipeline import convert
 from edgeq.runtime import load
 from edgeq.scheme import Scheme
 

@@ -63,7 +63,7 @@ def write_f16(src: Path, out: Path) -> Path:
     import gguf
     import numpy as np
 
-    from edgeq.checkpoint.reader import open_checkpoint
+    from edgeq.io.hf import open_checkpoint
 
     cfg = json.loads((src / "config.json").read_text())
     arch = ARCH.get(cfg["model_type"])

@@ -86,7 +86,7 @@ def embedding_rss(args) -> None:
     if args.cat:  # put the file in the page cache by a sequential read first (large folios)
         for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
             subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
-    from edgeq.bench_worker import prompt_ids
+    from edgeq.bench.worker import prompt_ids
     from edgeq.runtime import load
 
     def rss_file_mib() -> int:
@@ -123,7 +123,7 @@ def w4a8_scalar(args) -> None:
 
 def verify_cost(args) -> None:
     """What `--verify` / verify=True adds: sha256 of every shard from the page cache (docs/runtime.md)."""
-    from edgeq.checkpoint.safetensors_io import sha256_file
+    from edgeq.io.safetensors import sha256_file
 
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from edgeq.checkpoint.safetensors_io import OutSpec, ShardedWriter
+from edgeq.io.safetensors import OutSpec, ShardedWriter
 
 SHAPES = {
     "qwen2.5-1.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960,

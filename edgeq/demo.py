@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-DATA = Path(__file__).resolve().parent / "data"
+from edgeq.keys import DATA
+
 DEMO_MODEL = DATA / "tiny-prose"
 DEMO_PROMPT = "The module"
 SPEED_BASIS = "single shot: one timed generation after one untimed warm-up; edgeq bench reports medians"
@@ -57,11 +58,11 @@ def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path |
              max_tokens: int = 32, fidelity_tokens: int | None = 4096,
              progress: Callable[[str], None] | None = None) -> DemoReport:
     """The whole pipeline on the bundled model; ``progress(line)`` hears each step as it starts."""
-    from edgeq.convert import convert
-    from edgeq.fidelity import run_fidelity
-    from edgeq.report import inspect_checkpoint
+    from edgeq.convert.pipeline import convert
+    from edgeq.fidelity.core import run_fidelity
+    from edgeq.inspect.report import inspect_checkpoint
     from edgeq.runtime import load
-    from edgeq.runtime.generate import SamplingParams, generate
+    from edgeq.runtime.generation import SamplingParams, generate
     from edgeq.scheme import Scheme
 
     say = progress or (lambda _line: None)

@@ -398,7 +398,7 @@ def route_command(
     passes: int = typer.Option(3, "--passes", help="Interleaved passes (the median is reported; at least 3)."),
 ) -> None:
     """This machine: device class, available kernels, a measured microbenchmark of each path, the fastest scheme."""
-    from edgeq.cli_output import emit, out
+    from edgeq.console import emit, out
     from edgeq.errors import EdgeqError
 
     if passes < 3:

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from difflib import get_close_matches
 
 from edgeq.errors import EdgeqError
+from edgeq.keys import Kernel
 
 # Group sizes each kernel accepts. tinygemm (`_weight_int4pack_mm_for_cpu`) checks qGroupSize in {32, 64, 128, 256};
 # the W4A8 kernel blocks K by min(G, 128), so groups above 128 buy nothing there.
 _GROUPS = {16: (32, 64, 128, 256), 8: (32, 64, 128)}
-_KERNELS = {16: "tinygemm_w4a16", 8: "amx_w4a8"}
+_KERNELS = {16: Kernel.W4A16, 8: Kernel.W4A8}
 _PATTERN = re.compile(r"^w4a(16|8)-g(\d+)$")
 
 
@@ -45,7 +46,7 @@ class Scheme:
         return f"w{self.weight_bits}a{self.activation_bits}-g{self.group_size}"
 
     @property
-    def kernel(self) -> str:
+    def kernel(self) -> Kernel:
         """The runtime path a checkpoint of this scheme must use (written into the manifest)."""
         return _KERNELS[self.activation_bits]
 

@@ -21,7 +21,7 @@ def fixture_model() -> Path:
 @pytest.fixture(scope="session")
 def fixture_quantized(tmp_path_factory) -> Path:
     """The bundled trained model, quantised once per session with the default scheme and method."""
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
 
     out = tmp_path_factory.mktemp("q") / "tiny-prose-w4a16-g128"
     convert(FIXTURE, out)

@@ -20,9 +20,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from edgeq import bench, measure
-from edgeq.bench import Arm, BenchConfig, PassResult, Stat, run_bench, schedule
-from edgeq.bench_worker import PassSpec, _check_paths, prompt_ids, run_pass
+from edgeq.bench import run as bench
+from edgeq.bench import measure
+from edgeq.bench.run import Arm, BenchConfig, PassResult, Stat, run_bench, schedule
+from edgeq.bench.worker import PassSpec, _check_paths, prompt_ids, run_pass
 
 FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
 TINY_LINEARS = 4 * 7 + 1  # tiny-prose: 4 layers x (q, k, v, o, gate, up, down) + the head
@@ -78,7 +79,7 @@ class StubRunner:
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory) -> Path:
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
 
     out = tmp_path_factory.mktemp("bench") / "tiny-q"
     convert(FIXTURE, out, method="minmax")  # the bench measures paths and memory, not fidelity: the fast method
@@ -252,7 +253,7 @@ def test_contradicting_paths_fail_the_pass():
 def test_children_run_the_parents_edgeq(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     env = bench.child_env({"X": "1"})
-    here = str(Path(bench.__file__).resolve().parent.parent)
+    here = str(Path(bench.__file__).resolve().parents[2])  # edgeq/bench/run.py -> the directory holding edgeq/
     assert env["PYTHONPATH"].split(os.pathsep) == [here, "/elsewhere"] and env["X"] == "1"
 
 

@@ -1,4 +1,4 @@
-"""The model card README.md: written by every quantize, filled by ``edgeq fidelity --save-card`` (edgeq/card.py)."""
+"""The model card README.md: written by every quantize, filled by ``edgeq fidelity --save-card`` (edgeq/convert/card.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edgeq import card
-from edgeq.checkpoint.plan import effective_bits
-from edgeq.convert import convert, prepare
+from edgeq.convert import card
+from edgeq.convert.plan import effective_bits
+from edgeq.convert.pipeline import convert, prepare
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
 from test_quantize_errors import run_cli

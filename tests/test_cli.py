@@ -1,6 +1,6 @@
 """The CLI keeps its promises: every default in --help, --version, --json on generate/serve/repack, one error format.
 
-Everything runs through the real entry point (``edgeq.cli.main``, or ``python -m edgeq.cli`` for the server).
+Everything runs through the real entry point (``edgeq.cli.main.main``, or ``python -m edgeq.cli.main`` for the server).
 """
 
 import json
@@ -17,7 +17,8 @@ import pytest
 import torch
 import typer
 
-from edgeq import __version__, cli
+from edgeq import __version__
+from edgeq.cli import main as cli
 
 FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
 
@@ -121,7 +122,7 @@ def test_generate_streams_text_and_bf16_names_no_crossover(capsys):
 
 def test_serve_json_startup_line(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "serve", str(FIXTURE), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli.main", "serve", str(FIXTURE), "--host", "127.0.0.1",
                              "--port", "0", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeq.cli import main
+from edgeq.cli.main import main
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.report import inspect_checkpoint
+from edgeq.inspect.report import inspect_checkpoint
 from edgeq.runtime import SamplingParams, generate, load, repack
-from edgeq.runtime.generate import Generation, encode_prompt
-from edgeq.runtime.weights import MappedFiles
+from edgeq.runtime.generation import Generation, encode_prompt
+from edgeq.io.mapped import MappedFiles
 from test_runtime_helpers import FIXTURE, prose_checkpoint
 
 PROMPT = "Once upon a time"
@@ -81,9 +81,9 @@ def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def _subprocess_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m edgeq.cli``: a fresh interpreter, so warnings are printed exactly as a user sees them."""
+    """``python -m edgeq.cli.main``: a fresh interpreter, so warnings are printed exactly as a user sees them."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # EDGEQ_CACHE_DIR: the cache_dir fixture's
-    return subprocess.run([sys.executable, "-m", "edgeq.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "edgeq.cli.main", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

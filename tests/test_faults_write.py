@@ -1,6 +1,6 @@
 """Writers (quantize, repack) and the user's files: an output that would destroy an input, SIGTERM and SIGKILL
 mid-write, leftovers of dead writers, durability of the commit, a model without tokenizer files, the layout named
-on the summary line. Every test goes through the real CLI (in process, or ``python -m edgeq.cli`` for signals)."""
+on the summary line. Every test goes through the real CLI (in process, or ``python -m edgeq.cli.main`` for signals)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from edgeq.convert import convert
-from edgeq.report import inspect_checkpoint
+from edgeq.convert.pipeline import convert
+from edgeq.inspect.report import inspect_checkpoint
 from test_quantize import dir_digest
 from test_quantize_errors import run_cli
 from tiny_models import save_tiny
@@ -80,8 +80,8 @@ def test_repack_output_inside_or_equal_to_the_input_is_refused(model, tmp_path, 
 
 
 def _start_and_freeze(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
-    """``python -m edgeq.cli quantize`` in a child, stopped (SIGSTOP) while its temporary directory exists."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "quantize", str(src), "-o", str(out), "-q"],
+    """``python -m edgeq.cli.main quantize`` in a child, stopped (SIGSTOP) while its temporary directory exists."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli.main", "quantize", str(src), "-o", str(out), "-q"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -131,7 +131,7 @@ def test_sigkill_leftover_is_removed_by_the_next_run(tmp_path, capsys):
 
 
 def test_sigterm_during_the_final_rename_is_held_until_it_is_done(model, tmp_path, capsys, monkeypatch):
-    from edgeq.checkpoint import safetensors_io
+    from edgeq.io import safetensors as safetensors_io
 
     real = safetensors_io.replace_dir
     calls = []
@@ -199,7 +199,7 @@ def test_commit_fsyncs_every_file_and_both_directories(model, tmp_path, capsys, 
 
 
 def test_repack_commit_is_fsynced_too(model, tmp_path, monkeypatch):
-    from edgeq.runtime.repack import repack
+    from edgeq.runtime.repacker import repack
     from test_runtime_helpers import avx2_like_layout
 
     q = tmp_path / "q"
@@ -232,7 +232,7 @@ def test_missing_tokenizer_is_a_warning_at_quantize_and_a_problem_in_inspect(mod
 
 def test_summary_line_names_the_layout_forced_by_aten_cpu_capability(model, tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    r = subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(tmp_path / "out"), "-q"],
+    r = subprocess.run([sys.executable, "-m", "edgeq.cli.main", "quantize", str(model), "-o", str(tmp_path / "out"), "-q"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]

@@ -17,7 +17,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from edgeq import fidelity as F
+from edgeq.fidelity import core as F
+from edgeq.keys import DATA
 from edgeq.errors import EdgeqError, ThresholdError
 from test_quantize_errors import run_cli
 
@@ -447,7 +448,7 @@ def test_save_reference_alone_matches(tmp_path):
     ref = F.load_reference_file(path)
     h = ref.header
     assert (h["format"], h["ctx"], h["score"], h["k"], h["vocab_size"], h["bos_id"]) == \
-           ("edgeq.fidelity-ref/1", 32, "half", 6, V, 0)
+           ("edgeq.fidelity.core-ref/1", 32, "half", 6, V, 0)
     assert h["positions"] == n and ref.rows.topk_ids.dtype == torch.int32
     assert ref.rows.topk_logprobs.dtype == torch.float64 and ref.windows.shape == (h["windows"], 32)
 
@@ -594,7 +595,7 @@ def test_thresholds_name_the_broken_bound():
 
 
 NUM, OPT, INT_OPT = float, (float, type(None)), (int, type(None))
-GOLDEN_SCHEMA = [  # key order and value types of edgeq.fidelity/1 (docs/fidelity.md, "JSON")
+GOLDEN_SCHEMA = [  # key order and value types of edgeq.fidelity.core/1 (docs/fidelity.md, "JSON")
     ("schema", str), ("partial", bool), ("ctx", int), ("score", str), ("windows", int), ("tokens_scored", int),
     ("ref_topk", INT_OPT),
     ("ppl_ref", NUM), ("ppl_ref_err", OPT), ("ppl_quant", NUM), ("ppl_quant_err", OPT),
@@ -618,7 +619,7 @@ def test_json_schema_golden(tmp_path):
         assert list(d) == [k for k, _ in GOLDEN_SCHEMA]
         for k, t in GOLDEN_SCHEMA:
             assert isinstance(d[k], t) and not (t is float and isinstance(d[k], bool)), (k, d[k])
-    assert full["schema"] == "edgeq.fidelity/1"
+    assert full["schema"] == "edgeq.fidelity.core/1"
     assert full["ref_topk"] is None and full["kld_topk_bound"] is None and isinstance(full["per_layer"], list)
     assert cached["ref_topk"] == 32 and isinstance(cached["kld_topk_bound"], float) and cached["per_layer"] is None
     assert [list(e) for e in full["per_layer"]] == [["name", "rel_err", "local_rel_err"]] * 3
@@ -666,7 +667,7 @@ def test_cli_json_and_thresholds(cli):
     ok = cli("ref", "light", "--json", "--max-kld", "1", "--min-top1", "0.5", "--max-ppl-ratio", "2")
     assert ok.exit_code == 0, ok.output
     d = json.loads(ok.stdout)
-    assert d["schema"] == "edgeq.fidelity/1" and d["tokens_scored"] == 15 * d["windows"]
+    assert d["schema"] == "edgeq.fidelity.core/1" and d["tokens_scored"] == 15 * d["windows"]
     bad = cli("ref", "heavy", "--json", "--max-kld", "1e-6", "--min-top1", "0.5")
     assert isinstance(bad.exception, ThresholdError)
     assert str(bad.exception).startswith("mean KLD ") and str(bad.exception).endswith("> --max-kld 1e-06")
@@ -732,7 +733,7 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
     """A tiny random Llama (transformers) on the bundled tokenizer and default text; logits_to_keep is used."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(Path(F.__file__).parent / "data" / "tiny-prose")
+    tok = AutoTokenizer.from_pretrained(DATA / "tiny-prose")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
@@ -744,7 +745,7 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
     full = F.compare(lambda ids: model(input_ids=ids).logits, model, tokenizer=tok, ctx=64, max_tokens=100)
     assert full.ppl_ref == pytest.approx(rep.ppl_ref, rel=1e-5) and full.kld_mean < 1e-9
     assert F.tokenizer_sha256(tok) == F.tokenizer_sha256(AutoTokenizer.from_pretrained(
-        Path(F.__file__).parent / "data" / "tiny-prose"))
+        DATA / "tiny-prose"))
 
 
 # ------------------------------------------------------------------------------------------------- the runtime

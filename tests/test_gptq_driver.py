@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edgeq.errors import EdgeqError
-from edgeq.gptq_driver import calibration_windows, gptq_model
+from edgeq.convert.calibrate import calibration_windows, gptq_model
 from edgeq.layouts import tinygemm as tg
 from edgeq.quantize.rtn import quantize_groups
 from edgeq.scheme import Scheme
@@ -112,7 +112,7 @@ def test_float_run_reproduces_the_model(windows, monkeypatch):
     """With every decoder Linear kept in float, the head's Hessian is the float model's: the driver's own layer
     plumbing (embedding rows, causal mask, rotary, norm) matches transformers' forward. And one layer at a time is
     materialised: when a module is read, every module read before it is back on the meta device."""
-    import edgeq.gptq_driver as drv
+    import edgeq.convert.calibrate as drv
 
     read, real_read = [], drv._read_into
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeq.checkpoint.manifest import read_manifest
-from edgeq.checkpoint.plan import build_plan, quantized_bytes
-from edgeq.checkpoint.reader import open_checkpoint
-from edgeq.checkpoint.recipe import find_recipe, load_recipe
-from edgeq.convert import convert
+from edgeq.io.manifest import read_manifest
+from edgeq.convert.plan import build_plan, quantized_bytes
+from edgeq.io.hf import open_checkpoint
+from edgeq.convert.recipe import find_recipe, load_recipe
+from edgeq.convert.pipeline import convert
 from edgeq.layouts import tinygemm
 from edgeq.quantize.rtn import quantize_groups
 from edgeq.scheme import Scheme
@@ -104,11 +104,11 @@ def test_per_module_groups_round_trip_quantize_load_generate(tmp_path, capsys):
     new = generate_ids(lm, [1, 5, 9], 4)[0]
     assert len(new) == 4 and all(0 <= t < 256 for t in new)
     # inspect reports the per-module choice (report field and text)
-    from edgeq.report import inspect_checkpoint
+    from edgeq.inspect.report import inspect_checkpoint
     from test_quantize_errors import run_cli
 
     r = inspect_checkpoint(out)
-    from edgeq.convert import tokenizer_problem
+    from edgeq.convert.pipeline import tokenizer_problem
 
     assert r.problems == (tokenizer_problem(out),)  # the tiny model has no tokenizer files; nothing else is wrong
     assert dict(r.edgeq.group_sizes) == man.group_sizes and r.edgeq.group_size == 128

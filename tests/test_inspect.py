@@ -18,15 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from edgeq.checkpoint.plan import build_plan
-from edgeq.checkpoint.reader import open_checkpoint
-from edgeq.checkpoint.recipe import find_recipe
-from edgeq.checkpoint.safetensors_io import read_header
+from edgeq.convert.plan import build_plan
+from edgeq.io.hf import open_checkpoint
+from edgeq.convert.recipe import find_recipe
+from edgeq.io.safetensors import read_header
 from edgeq.errors import EdgeqError, ThresholdError
 from edgeq.layouts import tinygemm
 from edgeq.memory import SCRATCH_BYTES_PER_ELEM, SCRATCH_TARGET_ELEMS, KVGeometry, kv_geometry, project, rows_per_block, scratch
 from edgeq.memory import Tensor as MemTensor
-from edgeq.report import inspect_checkpoint, inspect_command, render
+from edgeq.inspect.report import inspect_checkpoint, inspect_command, render
 from edgeq.scheme import Scheme
 
 TINY_PROSE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
@@ -634,11 +634,11 @@ def test_human_output(edgeq_ckpt, tmp_path):
 
 
 def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run the real ``edgeq`` entry point (edgeq.cli.main, its error handling included) with inspect registered as
+    """Run the real ``edgeq`` entry point (edgeq.cli.main.main, its error handling included) with inspect registered as
     the lead will register it, on a fresh app. Returns (exit code, stdout, stderr)."""
     import typer
 
-    from edgeq import cli
+    from edgeq.cli import main as cli
 
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command("inspect")(inspect_command)

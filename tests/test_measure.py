@@ -1,4 +1,4 @@
-"""edgeq.measure reads process memory through psutil where psutil has the field: the numbers must be the kernel's
+"""edgeq.bench.measure reads process memory through psutil where psutil has the field: the numbers must be the kernel's
 own, exactly. A stopped child process holds still while both are read."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeq import measure
+from edgeq.bench import measure
 
 # anonymous heap, a shared anonymous mapping (RssShmem) and a private file mapping (RssFile), all touched
 CHILD = """

@@ -262,7 +262,7 @@ def test_avx2_class_cpu_gets_its_256_bit_path(ready, isa_env, monkeypatch, bits,
 def tiny_w4a8(tmp_path_factory) -> Path:
     from tiny_models import save_tiny
 
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
     from edgeq.scheme import Scheme
 
     before = torch.get_num_threads()
@@ -278,7 +278,7 @@ def tiny_w4a8(tmp_path_factory) -> Path:
 
 def _greedy(path: Path, prompt: list[int]):
     from edgeq.runtime import load
-    from edgeq.runtime.generate import generate_ids
+    from edgeq.runtime.generation import generate_ids
 
     lm = load(path, max_model_len=64, kv_cache_bytes=2 << 20)
     ids = generate_ids(lm, prompt, 12)[0]

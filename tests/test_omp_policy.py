@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 
-from edgeq.bench import Arm, worker_env
+from edgeq.bench.run import Arm, worker_env
 
 
 def test_importing_edgeq_leaves_the_policy_alone():
     e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", "import edgeq.cli, os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+    out = subprocess.run([sys.executable, "-c", "import edgeq.cli.main, os; print(os.environ.get('OMP_WAIT_POLICY'))"],
                          env=e, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
 

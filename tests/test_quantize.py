@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeq.checkpoint.manifest import read_manifest
-from edgeq.checkpoint.reader import open_checkpoint
-from edgeq.convert import convert
+from edgeq.io.manifest import read_manifest
+from edgeq.io.hf import open_checkpoint
+from edgeq.convert.pipeline import convert
 from edgeq.layouts import tinygemm as tg
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
@@ -104,7 +104,7 @@ def test_group_sizes_and_minmax(tmp_path, g):
 
 def test_fixture_golden_header_and_manifest(fixture_model, fixture_quantized):
     """Tensor names, dtypes, shapes and offsets of the output, and the manifest minus machine-specific fields."""
-    from edgeq.checkpoint.safetensors_io import read_header
+    from edgeq.io.safetensors import read_header
 
     tensors, meta = read_header(fixture_quantized / "model.safetensors")
     header = {n: [t.dtype, list(t.shape), t.start, t.nbytes] for n, t in tensors.items()}

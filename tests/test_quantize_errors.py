@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from edgeq import cli
-from edgeq.convert import convert
+from edgeq.cli import main as cli
+from edgeq.convert.pipeline import convert
 from edgeq.errors import EdgeqError
 from tiny_models import save_tiny
 from test_quantize import dir_digest
@@ -157,7 +157,7 @@ def test_existing_output_needs_force(tmp_path, capsys, src):
 
 
 def test_full_disk_checked_first(tmp_path, src, monkeypatch):
-    import edgeq.convert as conv
+    import edgeq.convert.pipeline as conv
 
     monkeypatch.setattr(conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(EdgeqError, match=r"MiB free, the output needs"):
@@ -166,7 +166,7 @@ def test_full_disk_checked_first(tmp_path, src, monkeypatch):
 
 
 def test_write_failure_leaves_nothing(tmp_path, src, monkeypatch):
-    from edgeq.checkpoint import safetensors_io
+    from edgeq.io import safetensors as safetensors_io
 
     def fail(self, data):
         raise EdgeqError("disk full (simulated)")
@@ -193,7 +193,7 @@ def test_ctrl_c_leaves_nothing(tmp_path, src):
 
 
 def test_ctrl_c_cli_exit_code(tmp_path, capsys, src, monkeypatch):
-    import edgeq.convert as conv
+    import edgeq.convert.pipeline as conv
 
     monkeypatch.setattr(conv, "_stream", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q"], capsys)
@@ -218,7 +218,7 @@ def test_recipe_keep_is_reported(tmp_path, capsys, src):
 
 
 def test_dry_run_reads_no_weights(tmp_path, capsys, src, monkeypatch):
-    from edgeq.checkpoint import safetensors_io
+    from edgeq.io import safetensors as safetensors_io
 
     monkeypatch.setattr(safetensors_io, "read_tensor", lambda *a, **k: pytest.fail("dry run read tensor data"))
     code, out, _ = run_cli(["quantize", str(src), "--dry-run", "--json"], capsys)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from edgeq.checkpoint.manifest import read_manifest
-from edgeq.checkpoint.reader import open_checkpoint
+from edgeq.io.manifest import read_manifest
+from edgeq.io.hf import open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm as tg
 from edgeq.layouts.tinygemm import TinygemmLayout
@@ -219,7 +219,7 @@ def test_runtime_computes_the_gptq_model(tmp_path, capsys):
     assert lm.path_counts["input_gather"] == 2 * 4 + 1  # per layer: q/k/v share one, o, gate/up share one, down; head
     assert sum(getattr(lm.model.get_submodule(m), "perm") is not None for m in BODY) == len(BODY)
     # inspect: the permutations belong to their quantised linears, are mapped like them (no cast), and are no parameters
-    from edgeq.report import inspect_checkpoint
+    from edgeq.inspect.report import inspect_checkpoint
 
     r = inspect_checkpoint(tmp_path / "out")
     stored = open_checkpoint(tmp_path / "out").tensors
@@ -313,8 +313,8 @@ def test_heads(tmp_path, capsys):
 
 def test_head_assertion_holds_for_ingest(tmp_path, capsys):
     """At plan time, after writing, and in the loader: an ingest whose head is not quantised is refused."""
-    from edgeq.checkpoint.plan import assert_head_quantized
-    from edgeq.convert import prepare, verify_written
+    from edgeq.convert.plan import assert_head_quantized
+    from edgeq.convert.pipeline import prepare, verify_written
     from edgeq.runtime import load
 
     src = tmp_path / "src"
@@ -393,7 +393,7 @@ def test_uneven_groups_need_requantize(tmp_path, capsys):
 
 
 def test_dry_run_reads_only_headers_and_g_idx(tmp_path, capsys, monkeypatch):
-    from edgeq.checkpoint import safetensors_io
+    from edgeq.io import safetensors as safetensors_io
 
     src = tmp_path / "src"
     write_gptq(src, act_order=True, head="gptq8", seed=23)
@@ -404,7 +404,7 @@ def test_dry_run_reads_only_headers_and_g_idx(tmp_path, capsys, monkeypatch):
         return real(info, rows)
 
     monkeypatch.setattr(safetensors_io, "read_tensor", only_g_idx)
-    monkeypatch.setattr("edgeq.checkpoint.reader.read_tensor", only_g_idx)
+    monkeypatch.setattr("edgeq.io.hf.read_tensor", only_g_idx)
     code, out, err = run_cli(["quantize", str(src), "--dry-run", "--json"], capsys)
     assert code == 0, err
     plan = json.loads(out)
@@ -418,7 +418,7 @@ def test_dry_run_reads_only_headers_and_g_idx(tmp_path, capsys, monkeypatch):
 
 
 def test_ctrl_c_during_ingest_leaves_nothing(tmp_path):
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
 
     src = tmp_path / "src"
     write_gptq(src, act_order=True, head="gptq8", seed=29)
@@ -436,8 +436,8 @@ def test_ctrl_c_during_ingest_leaves_nothing(tmp_path):
 
 def test_internal_exactness_check_catches_a_wrong_repack(tmp_path, monkeypatch):
     """The converter's own check (parameters within the bf16 bound, columns in their groups) stops a bad repack."""
-    import edgeq.ingest as ing
-    from edgeq.convert import convert
+    import edgeq.convert.ingest_gptq as ing
+    from edgeq.convert.pipeline import convert
 
     src = tmp_path / "src"
     write_gptq(src, act_order=True, head="bf16", seed=31)
@@ -511,8 +511,8 @@ GPTQ_ARGS = ("--method", "gptq", "--scheme", "w4a16-g32", "--nsamples", "3", "--
 def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float, monkeypatch):
     """The written checkpoint holds exactly the driver's results (same windows), every module with its perm; and
     when the driver's order differs from the predicted one, early results are held and still land in place."""
-    import edgeq.convert as conv
-    from edgeq.gptq_driver import calibration_windows, gptq_model
+    import edgeq.convert.pipeline as conv
+    from edgeq.convert.calibrate import calibration_windows, gptq_model
     from edgeq.scheme import Scheme
 
     src, calib = tiny_float
@@ -542,7 +542,7 @@ def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float,
 
 
 def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):
-    from edgeq.convert import GPTQOptions, convert
+    from edgeq.convert.pipeline import GPTQOptions, convert
 
     src, calib = tiny_float
     opts = GPTQOptions(calib=str(calib), nsamples=2, seqlen=32)
@@ -579,7 +579,7 @@ def test_method_gptq_on_the_fixture_beats_rtn(tmp_path, capsys, fixture_model, f
     """The bundled model, w4a16-g128, act-order GPTQ from 8 x 128 calibration tokens: a valid checkpoint that the
     runtime loads (perm applied), whose KL divergence to the bf16 model on the held-out text is below the default
     RTN's (measured 0.0055 vs 0.0085 over 2000 tokens at ctx 256)."""
-    from edgeq import fidelity as F
+    from edgeq.fidelity import core as F
     from edgeq.runtime import load
 
     report = quantize_cli(fixture_model, tmp_path / "gptq", capsys, "--method", "gptq", "--nsamples", "8",

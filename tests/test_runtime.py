@@ -18,7 +18,7 @@ import torch
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import LayoutRepackWarning, SamplingParams, generate, load, parse_bytes, repack
-from edgeq.runtime.generate import Generation, encode_prompt, generate_command
+from edgeq.runtime.generation import Generation, encode_prompt, generate_command
 from test_runtime_helpers import ARCHS, FIXTURE, avx2_like_layout, prose_checkpoint, quantize, save_hf, synthetic_checkpoint, tiny_model, write_reference
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -72,8 +72,8 @@ def save_hf(model: nn.Module, out: Path) -> Path:
 
 
 def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax") -> Path:
-    """The real `edgeq quantize` pipeline (edgeq.convert)."""
-    from edgeq.convert import convert
+    """The real `edgeq quantize` pipeline (edgeq.convert.pipeline)."""
+    from edgeq.convert.pipeline import convert
     from edgeq.scheme import Scheme
 
     convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, force=True)
@@ -83,7 +83,7 @@ def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax")
 def write_reference(qdir: Path, out: Path) -> Path:
     """A bf16 HF checkpoint equal to the edgeq checkpoint ``qdir`` with every quantised Linear replaced by its
     dequantised weight (unpacked with the manifest's layout): the reference the runtime must match."""
-    from edgeq.runtime.weights import MappedFiles
+    from edgeq.io.mapped import MappedFiles
 
     manifest = json.loads((qdir / "edgeq_manifest.json").read_text())
     layout = tinygemm.TinygemmLayout.from_json(manifest["layout"])

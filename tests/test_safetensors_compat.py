@@ -1,7 +1,7 @@
 """edgeq's own safetensors code against the safetensors package, both directions, every dtype.
 
-edgeq has two parsers of the format (edgeq.checkpoint.safetensors_io for conversion and inspect: positioned reads;
-edgeq.runtime.weights for the runtime: a private mmap) and one writer (safetensors_io.ShardedWriter). Each is checked
+edgeq has two parsers of the format (edgeq.io.safetensors for conversion and inspect: positioned reads;
+edgeq.io.mapped for the runtime: a private mmap) and one writer (safetensors_io.ShardedWriter). Each is checked
 here against the reference implementation: what safetensors writes, both parsers read to the same bits; what edgeq
 writes, safetensors reads to the same bits; and on fuzzed headers, whatever safetensors accepts both parsers accept
 with the same dtype, shape and byte range, while edgeq's errors stay EdgeqError.
@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from edgeq.checkpoint import safetensors_io as io
+from edgeq.io import safetensors as io
 from edgeq.errors import EdgeqError
-from edgeq.runtime import weights
+from edgeq.io import mapped as weights
 
 CODES = sorted(io.DTYPES)
 SHAPES = {"matrix": (3, 5), "scalar": (), "empty": (0, 4), "vector": (7,)}

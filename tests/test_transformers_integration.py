@@ -26,7 +26,7 @@ KERNEL_MODULE = {"w4a16-g128": "Int4Linear", "w4a8-g128": "W4A8Linear"}
 @pytest.fixture(scope="module")
 def checkpoints(fixture_model, tmp_path_factory) -> dict[str, Path]:
     """The bundled model quantised by edgeq with both schemes (the tinygemm_w4a16 and amx_w4a8 kernels)."""
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
 
     root = tmp_path_factory.mktemp("hf")
     out = {}
@@ -205,7 +205,7 @@ def test_biases_and_modules_kept_in_bf16(tmp_path):
     reports no missing or unexpected key, the kept Linears are plain and mapped, and the logits are the runtime's."""
     from tiny_models import save_tiny
 
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
     from edgeq.runtime import load
 
     src = save_tiny("qwen2", tmp_path / "src")

@@ -146,7 +146,7 @@ def test_runtime_decode_matches_its_full_forward_under_this_transformers(fixture
     """Greedy decoding through the static cache picks, at every step, the argmax of one full forward over the same
     tokens (no cache). Under transformers 5.19 (vLLM's pin) the forward's cache argument is ``past_key_values``; the
     runtime passed ``cache=``, which that version swallowed, and decoding degenerated (``[417, 417, 417, ...]``)."""
-    from edgeq.runtime.generate import generate_ids
+    from edgeq.runtime.generation import generate_ids
     from edgeq.runtime.loader import load
 
     lm = load(fixture_quantized, prefill_threshold=THRESHOLD, max_model_len=128)
@@ -191,7 +191,7 @@ def _child(arg: str) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """The bundled model quantised by the CLI with both schemes (once per module)."""
-    from edgeq.cli import main
+    from edgeq.cli.main import main
 
     root = tmp_path_factory.mktemp("vllm")
     out = {}
@@ -216,7 +216,7 @@ def _reference(path: Path, prompts: list[list[int]], result: list[dict]) -> list
     """Per prompt, from ``edgeq.runtime.load``: its own greedy tokens, and over vLLM's tokens (teacher-forced, one
     forward without cache) the log-probability of each vLLM token, its gap to the runtime's best, and the gap between
     the runtime's best two (small: a near tie, which kernels that differ legitimately may break either way)."""
-    from edgeq.runtime.generate import generate_ids
+    from edgeq.runtime.generation import generate_ids
     from edgeq.runtime.loader import load
 
     lm = load(path, prefill_threshold=THRESHOLD, max_model_len=512)
@@ -297,7 +297,7 @@ def _foreign_layout() -> tinygemm.TinygemmLayout:
 @needs_vllm
 @pytest.mark.slow
 def test_foreign_layout_is_repacked_with_the_warning_or_refused(checkpoints, prompt_ids, tmp_path):
-    from edgeq.runtime.repack import repack
+    from edgeq.runtime.repacker import repack
 
     native = checkpoints["w4a16-g128"]
     foreign = tmp_path / "foreign"

@@ -2,8 +2,8 @@
 runtime loads it zero-copy onto W4A8Linear and says which path runs, and the logits match a reference whose Linear
 weights are the W4A8-dequantised values, within the activation quantisation error.
 
-Until the lead wires the hooks into edgeq/convert.py and edgeq/runtime/loader.py, ``_quantize`` / ``_load`` fall back
-to calling edgeq.convert_w4a8 / edgeq.runtime.w4a8linear directly (the same functions the hooks call).
+Until the lead wires the hooks into edgeq/convert/pipeline.py and edgeq/runtime/loader.py, ``_quantize`` / ``_load`` fall back
+to calling edgeq.convert.w4a8 / edgeq.runtime.w4a8linear directly (the same functions the hooks call).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-pros
 
 def _direct_convert(src: Path, out: Path, scheme: Scheme, method: str) -> None:
     """What the hooked pipeline does, with the pipeline's own pieces: plan, writer, manifest, config."""
-    from edgeq import convert_w4a8 as cw
-    from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest
-    from edgeq.checkpoint.plan import build_plan
-    from edgeq.checkpoint.reader import open_checkpoint
-    from edgeq.checkpoint.recipe import find_recipe
-    from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter
+    from edgeq.convert import w4a8 as cw
+    from edgeq.io.manifest import FORMAT_VERSION, Manifest
+    from edgeq.convert.plan import build_plan
+    from edgeq.io.hf import open_checkpoint
+    from edgeq.convert.recipe import find_recipe
+    from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
 
     ckpt = open_checkpoint(src)
     recipe = find_recipe(None, ckpt.config.get("model_type"))
@@ -70,7 +70,7 @@ def _direct_convert(src: Path, out: Path, scheme: Scheme, method: str) -> None:
 
 
 def _quantize(src: Path, out: Path, scheme: str = "w4a8-g128", method: str = "rtn") -> Path:
-    from edgeq.convert import convert
+    from edgeq.convert.pipeline import convert
 
     try:
         convert(src, out, scheme=Scheme.parse(scheme), method=method)
@@ -93,8 +93,8 @@ def _load(path: Path):
     except EdgeqError as e:
         if "not one this runtime runs" not in str(e):
             raise
-    from edgeq.runtime import skeleton
-    from edgeq.runtime.weights import MappedFiles
+    from edgeq.io import skeleton
+    from edgeq.io.mapped import MappedFiles
 
     config_dict = json.loads((path / "config.json").read_text())
     info = w4a8linear.read_info(path, config_dict)
@@ -310,7 +310,7 @@ def test_loader_refuses_a_foreign_layout_record_and_inconsistent_kernels(tiny_w4
 
 
 def test_swap_names_a_missing_tensor(tiny_w4a8):
-    from edgeq.runtime import skeleton
+    from edgeq.io import skeleton
 
     class Files:
         def __init__(self, names):
@@ -331,7 +331,7 @@ def test_swap_names_a_missing_tensor(tiny_w4a8):
 
 
 def test_plan_rules_and_options_name_the_numbers():
-    from edgeq import convert_w4a8 as cw
+    from edgeq.convert import w4a8 as cw
 
     s = Scheme.parse("w4a8-g128")
     assert cw.plan_rule((1536, 1536), "BF16", s) is None
@@ -351,7 +351,7 @@ def test_plan_rules_and_options_name_the_numbers():
 
 
 def test_quantize_entry_streams_row_blocks_in_declared_order(monkeypatch):
-    from edgeq import convert_w4a8 as cw
+    from edgeq.convert import w4a8 as cw
 
     monkeypatch.setattr(cw, "ROW_BLOCK_ELEMENTS", 64 * 128)  # 64 rows a block: 3 blocks for N = 160
     w = torch.randn(160, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -405,11 +405,11 @@ def test_fixture_w4a8_checkpoint_loads_and_tracks_the_reference(tmp_path):
 def test_inspect_reads_a_w4a8_checkpoint_without_false_problems(tiny_w4a8, tmp_path):
     import shutil
 
-    from edgeq import convert_w4a8 as cw
-    from edgeq.report import inspect_checkpoint
+    from edgeq.convert import w4a8 as cw
+    from edgeq.inspect.report import inspect_checkpoint
 
     r = inspect_checkpoint(tiny_w4a8, verify=True)
-    from edgeq.convert import tokenizer_problem
+    from edgeq.convert.pipeline import tokenizer_problem
 
     # the tiny model has no tokenizer files (a true problem: generate cannot encode text); nothing else is wrong
     assert r.kind == "edgeq" and r.problems == (tokenizer_problem(tiny_w4a8),) and r.warnings == ()
@@ -429,7 +429,7 @@ def test_inspect_reads_a_w4a8_checkpoint_without_false_problems(tiny_w4a8, tmp_p
     # a stale compensation (one byte after the nibbles of the head's first slot) is caught by --verify
     bad = tmp_path / "bad"
     shutil.copytree(tiny_w4a8, bad)
-    from edgeq.checkpoint.reader import open_checkpoint
+    from edgeq.io.hf import open_checkpoint
 
     info = open_checkpoint(bad).tensors["lm_head.qweight"]
     with open(info.file, "r+b") as f:

@@ -83,7 +83,7 @@ class EdgeqState:
     path: Path
     kernel: str
     scheme: str
-    files: object  # edgeq.runtime.weights.MappedFiles
+    files: object  # edgeq.io.mapped.MappedFiles
     info: object  # the validated QuantInfo / W4A8Info
     consumed: frozenset[str]
     mapped_bytes: int  # quantised-module bytes used in place from the mapped files
@@ -214,7 +214,7 @@ def swap_modules(model, directory: Path) -> EdgeqState:
     edgeq's module over the mapped packed bytes, through the loader's own swap functions."""
     from edgeq.runtime import loader, w4a8linear  # noqa: PLC0415
     from edgeq.runtime.qinfo import read_json, read_quant_info  # noqa: PLC0415
-    from edgeq.runtime.weights import MappedFiles  # noqa: PLC0415
+    from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
 
     with _plain_torch():
         config = read_json(directory / "config.json")

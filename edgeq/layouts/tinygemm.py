@@ -40,10 +40,11 @@ from functools import lru_cache
 import torch
 
 from edgeq.errors import EdgeqError
+from edgeq.keys import Kernel
 
 PACK_OP = "aten::_convert_weight_to_int4pack_for_cpu"
 MM_OP = "aten::_weight_int4pack_mm_for_cpu"
-KERNEL = "tinygemm_w4a16"
+KERNEL = Kernel.W4A16
 ROW_MULTIPLE = 16  # the pack op requires N % 16 == 0
 GROUP_SIZES = (32, 64, 128, 256)  # the mm op requires qGroupSize in this set
 
@@ -278,3 +279,39 @@ def mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros
 
 def capability() -> str:
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+
+
+def nbytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
+    """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2, plus 8*K for an int64 ``M.perm``.
+
+    E.g. 8960 x 1536 at G = 128: 6,881,280 + 430,080 = 7,311,360 bytes (4.25 bits per weight)."""
+    return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
+
+
+class _Tinygemm:
+    """The tinygemm W4A16 layout as a :class:`edgeq.layouts.base.Layout` (registered as :data:`LAYOUT`)."""
+
+    kernel = KERNEL
+    group_sizes = GROUP_SIZES
+    suffixes = (".qweight", ".scales_and_zeros")  # + ".perm" for act-order input
+    summary = "4-bit weights, bf16 activations (W4A16)"
+    runtime_class = "edgeq.runtime.qlinear:Int4Linear"
+
+    def out_tensors(self, module: str, n: int, k: int, group_size: int, perm: bool = False):
+        out = [(f"{module}.qweight", "U8", (n, k // 2)), (f"{module}.scales_and_zeros", "BF16", (k // group_size, n, 2))]
+        return out + ([(f"{module}.perm", "I64", (k,))] if perm else [])
+
+    def nbytes(self, n: int, k: int, group_size: int, perm: bool = False) -> int:
+        return nbytes(n, k, group_size, perm)
+
+    def rule(self, n: int, k: int, group_size: int) -> str | None:
+        if k % group_size:
+            fits = [g for g in GROUP_SIZES if k % g == 0]
+            fix = f"use a group size of {', '.join(map(str, fits))}" if fits else "keep it in bf16 with a recipe (keep_bf16)"
+            return f"K={k} is not a multiple of the group size {group_size}; {fix}"
+        if n % ROW_MULTIPLE:
+            return f"N={n} is not a multiple of {ROW_MULTIPLE} (tinygemm packs rows in 16s)"
+        return None
+
+
+LAYOUT = _Tinygemm()

@@ -51,9 +51,10 @@ from functools import lru_cache
 import torch
 
 from edgeq.errors import EdgeqError
+from edgeq.keys import Kernel
 from edgeq.quantize.w4a8 import fma_f32, fma_into, quantize_activations
 
-KERNEL = "amx_w4a8"
+KERNEL = Kernel.W4A8
 LAYOUT = "amx_w4a8"
 LAYOUT_VERSION = 1
 BLOCK_N = 32
@@ -469,3 +470,49 @@ def w4a8_linear(
         CALLS[path] += kc * (b - a)
         out[:, a * BLOCK_N : b * BLOCK_N] = c
     return out.reshape(*lead, n)
+
+
+def nbytes(n: int, k: int, group_size: int) -> int:
+    """N*K/2 nibbles + 4*N*K/bk compensation (int32 per row and K block) + 5*N*K/G (fp32 scale + int8 zero).
+
+    E.g. 1536 x 1536 at G = 128: 1,179,648 + 73,728 + 92,160 = 1,345,536 bytes (4.56 bits per weight)."""
+    bk = block_k(group_size)
+    return n * k // 2 + 4 * n * (k // bk) + 5 * n * (k // group_size)
+
+
+class _W4A8:
+    """The AMX/VNNI W4A8 layout as a :class:`edgeq.layouts.base.Layout` (registered as :data:`LAYOUT`)."""
+
+    kernel = KERNEL
+    group_sizes = GROUP_SIZES
+    suffixes = (".qweight", ".scales", ".zeros")
+    summary = "4-bit weights, int8 per-token activations (W4A8)"
+    runtime_class = "edgeq.runtime.w4a8linear:W4A8Linear"
+
+    def out_tensors(self, module: str, n: int, k: int, group_size: int, perm: bool = False):
+        if perm:
+            raise EdgeqError(f"{module}: act-order (M.perm) is not supported by the W4A8 layout; use a w4a16 scheme")
+        bk = block_k(group_size)
+        return [
+            (f"{module}.qweight", "U8", (n // BLOCK_N, k // bk, bk * 16 + COMP_BYTES)),
+            (f"{module}.scales", "F32", (n // BLOCK_N, k // group_size, BLOCK_N)),
+            (f"{module}.zeros", "I8", (n // BLOCK_N, k // group_size, BLOCK_N)),
+        ]
+
+    def nbytes(self, n: int, k: int, group_size: int, perm: bool = False) -> int:
+        return nbytes(n, k, group_size)
+
+    def rule(self, n: int, k: int, group_size: int) -> str | None:
+        bk = block_k(group_size)
+        if n % BLOCK_N:
+            return (f"N={n} is not a multiple of {BLOCK_N} (the W4A8 kernel packs 32 output rows per block); "
+                    "keep it in bf16 with a recipe (keep_bf16) or use a w4a16 scheme")
+        if k % 32:
+            return f"K={k} is not a multiple of 32 (the W4A8 kernel quantises activations 32 at a time); use a w4a16 scheme"
+        if k % group_size or k % bk:
+            fits = [x for x in GROUP_SIZES if k % x == 0]
+            return f"K={k} is not a multiple of the group size {group_size} (K block {bk}); use w4a8-g{max(fits)}"
+        return None
+
+
+LAYOUT = _W4A8()

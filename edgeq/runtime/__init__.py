@@ -7,14 +7,13 @@ bf16 GEMM path (prefill), a static KV cache from a byte budget, generation and a
 """
 
 import importlib
-import sys
-import types
 
 # Lazy: `edgeq.runtime.sizes` and friends must be importable without pulling in transformers (inspect, the CLI).
+# The modules are named for what they hold (generation, repacker) so that no function shadows a module of its name.
 _EXPORTS = {
     "load": "loader", "LoadedModel": "loader", "RuntimeSettings": "loader", "LayoutRepackWarning": "loader",
-    "repack": "repack", "RepackReport": "repack", "generate": "generate", "Generation": "generate",
-    "GenerationResult": "generate", "SamplingParams": "generate", "generate_ids": "generate", "parse_bytes": "sizes",
+    "repack": "repacker", "RepackReport": "repacker", "generate": "generation", "Generation": "generation",
+    "GenerationResult": "generation", "SamplingParams": "generation", "generate_ids": "generation", "parse_bytes": "sizes",
 }
 __all__ = list(_EXPORTS)
 
@@ -23,19 +22,3 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'edgeq.runtime' has no attribute {name!r}")
     return getattr(importlib.import_module(f"edgeq.runtime.{_EXPORTS[name]}"), name)
-
-
-class _Package(types.ModuleType):
-    """Importing a submodule binds it as an attribute of its package. For ``generate`` and ``repack`` (a module and
-    the function it exports, of the same name) that would make ``from edgeq.runtime import generate`` return the
-    module once anything imported ``edgeq.runtime.generate``; the function is bound instead, as an eager
-    ``from edgeq.runtime.generate import generate`` would. (``import edgeq.runtime.generate as m`` therefore gives
-    the function; use ``from edgeq.runtime import generate as m`` style imports of the module's names.)"""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and value.__name__ == f"{__name__}.{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -20,17 +20,18 @@ import torch
 from torch import nn
 
 from edgeq import env
-from edgeq.checkpoint.reader import TOKENIZER_FILES
-from edgeq.checkpoint.safetensors_io import sha256_file
+from edgeq.io.hf import TOKENIZER_FILES
+from edgeq.io.safetensors import sha256_file
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.runtime import crossover, fused, lean, skeleton
+from edgeq.runtime import crossover, fused, lean
+from edgeq.io import skeleton
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import MANIFEST, QuantInfo, read_json, read_quant_info
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
 from edgeq.runtime.sizes import format_bytes, parse_bytes
-from edgeq.runtime.weights import MappedFiles
+from edgeq.io.mapped import MappedFiles
 
 
 class LayoutRepackWarning(UserWarning):

@@ -409,7 +409,7 @@ def native_command(as_json: bool = False) -> None:
     Exit status 0 whether or not the kernel is available (the runtime then uses aten); an invalid
     ``EDGEQ_NATIVE_ISA`` is an :class:`EdgeqError` (exit 2).
     """
-    from edgeq.cli_output import emit, line  # noqa: PLC0415
+    from edgeq.console import emit, line  # noqa: PLC0415
     from edgeq.runtime import native_w4a8  # noqa: PLC0415 - the W4A8 kernel is built and reported here too
 
     st = status()

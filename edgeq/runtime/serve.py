@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeq.errors import DamagedCheckpointError, EdgeqError
-from edgeq.runtime.generate import Delta, Generation, GenerationResult, SamplingParams, encode_prompt
+from edgeq.runtime.generation import Delta, Generation, GenerationResult, SamplingParams, encode_prompt
 from edgeq.runtime.sizes import parse_bytes
 
 try:
@@ -575,8 +575,8 @@ def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_mode
     port the OS chose. ``quiet`` and ``as_json`` keep uvicorn to warnings (no access log on stdout)."""
     import uvicorn  # noqa: PLC0415
 
-    from edgeq.cli_output import emit_line, say  # noqa: PLC0415
-    from edgeq.runtime.generate import describe_paths  # noqa: PLC0415
+    from edgeq.console import emit_line, say  # noqa: PLC0415
+    from edgeq.runtime.generation import describe_paths  # noqa: PLC0415
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
     if queue_size < 0:

@@ -31,7 +31,7 @@ from torch import nn
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as layout
-from edgeq.runtime import skeleton
+from edgeq.io import skeleton
 from edgeq.runtime.qlinear import forward_2d
 from edgeq.runtime.qinfo import read_json
 from edgeq.scheme import Scheme

@@ -2,7 +2,7 @@
 
 Roles: ``linear`` (2-D ``*.weight`` of a projection), ``head``, ``embedding``, ``norm`` (1-D ``*norm*``),
 ``bias``, ``other``. Actions: ``quantize`` (a float weight -> ``M.qweight`` + ``M.scales_and_zeros``), ``keep`` (a
-Linear the recipe keeps in bf16, reported), ``copy`` (cast to bf16), and for GPTQ input (edgeq/ingest.py) ``repack``
+Linear the recipe keeps in bf16, reported), ``copy`` (cast to bf16), and for GPTQ input (edgeq/convert/ingest_gptq.py) ``repack``
 (a 4-bit GPTQ layer mapped exactly onto tinygemm) and ``requantize`` (a GPTQ layer dequantised exactly and quantised
 again with the entry's method). Quantised outputs of act-order layers add ``M.perm`` (``PlanEntry.perm``). The head
 is always quantised; with tied embeddings it is quantised *from* the embedding table (``source``), which is also
@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeq.checkpoint.reader import Checkpoint
-from edgeq.checkpoint.recipe import Recipe
-from edgeq import convert_w4a8  # the amx_w4a8 tensors, rules and sizes (imports nothing from here)
-from edgeq.checkpoint.safetensors_io import FLOAT_CODES
+from edgeq.io.hf import Checkpoint
+from edgeq.convert.recipe import Recipe
+from edgeq.convert import w4a8 as convert_w4a8  # the amx_w4a8 tensors, rules and sizes (imports nothing from here)
+from edgeq.io.safetensors import FLOAT_CODES
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.scheme import Scheme
@@ -103,7 +103,7 @@ class Plan:
     problems: tuple[str, ...]
     tied: bool  # the input had no separate head tensor
     source: dict = field(default_factory=dict)  # what the input was, when not a float checkpoint (GPTQ ingest)
-    options: Any = None  # the method's options (edgeq.convert.GPTQOptions for method "gptq")
+    options: Any = None  # the method's options (edgeq.convert.pipeline.GPTQOptions for method "gptq")
 
     @property
     def bytes_in(self) -> int:
@@ -189,7 +189,7 @@ def _suggest(k: int) -> str:
     return f"; use a group size of {', '.join(map(str, fits))}" if fits else "; keep it in bf16 with a recipe (keep_bf16)"
 
 
-tensor_role = _role  # public names for the GPTQ ingest planner (edgeq/ingest.py)
+tensor_role = _role  # public names for the GPTQ ingest planner (edgeq/convert/ingest_gptq.py)
 weight_rule = _rule
 
 

@@ -41,12 +41,12 @@ from typing import Any, Callable
 
 import torch
 
-from edgeq.checkpoint.plan import (
+from edgeq.convert.plan import (
     GPTQSource, Plan, PlanEntry, assert_head_quantized, quantized_bytes, tensor_role, weight_rule,
 )
-from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
-from edgeq.checkpoint.recipe import Recipe
-from edgeq.checkpoint.safetensors_io import FLOAT_CODES, ShardedWriter
+from edgeq.io.hf import Checkpoint, open_checkpoint
+from edgeq.convert.recipe import Recipe
+from edgeq.io.safetensors import FLOAT_CODES, ShardedWriter
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.layouts.gptq import FORMATS, GPTQLinear, decode_gptq, error_bound, to_tinygemm
@@ -383,7 +383,7 @@ def _zero_biases_without_a_place(ckpt: Checkpoint, modules: set[str]) -> list[st
     biases = sorted(f"{m}.bias" for m in modules if f"{m}.bias" in ckpt.tensors)
     if not biases:
         return []
-    from edgeq.runtime.skeleton import build_meta_model, load_config  # noqa: PLC0415 - only for such checkpoints
+    from edgeq.io.skeleton import build_meta_model, load_config  # noqa: PLC0415 - only for such checkpoints
 
     config = load_config(ckpt.root)
     model = build_meta_model(config, torch.bfloat16)

@@ -7,14 +7,14 @@ op, append to the output shard. Peak memory is one row block's working set, what
 All output goes to a temporary sibling directory that is renamed into place (fsynced) only after the result has been
 re-opened and checked (head quantised, shapes, shard hashes). Any failure, Ctrl-C or SIGTERM removes it; leftovers of
 a killed run are removed by the next run to the same output; the input is only ever read, and an output that is,
-contains or lies inside an input is refused (edgeq/checkpoint/output.py).
+contains or lies inside an input is refused (edgeq/io/writer.py).
 
 Three inputs/methods share this pipeline:
 
 - a float checkpoint with ``rtn`` (default) or ``minmax``: per tensor, per row block, as above;
-- a GPTQ checkpoint (``quant_method: "gptq"``): planned and streamed by :mod:`edgeq.ingest` (exact repack,
+- a GPTQ checkpoint (``quant_method: "gptq"``): planned and streamed by :mod:`edgeq.convert.ingest_gptq` (exact repack,
   method recorded as ``gptq-ingest``);
-- a float checkpoint with ``gptq``: :func:`edgeq.gptq_driver.gptq_model` calibrates one decoder layer at a time and
+- a float checkpoint with ``gptq``: :func:`edgeq.convert.calibrate.gptq_model` calibrates one decoder layer at a time and
   yields results in execution order. The writer needs a declared order, so the quantised tensors are declared in
   the predicted execution order (layer by layer, q/k/v/o/gate/up/down, then the head) after every copied tensor; a
   result that arrives before its turn is held (packed, N*K/2 bytes) until it is due. Peak memory: the driver's
@@ -36,14 +36,16 @@ from typing import Callable
 import torch
 
 import edgeq
-from edgeq.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
-from edgeq.checkpoint.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
-from edgeq.checkpoint.plan import group_sizes as plan_group_sizes
-from edgeq.checkpoint.reader import TOKENIZER_FILES, Checkpoint, open_checkpoint
-from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.output import prepare_output, say, staging
-from edgeq.checkpoint.safetensors_io import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
-from edgeq import convert_w4a8, ingest
+from edgeq.io.manifest import FORMAT_VERSION, Manifest, read_manifest
+from edgeq.convert.plan import HEAD_MODULE, Plan, PlanEntry, build_plan, quantized_bytes
+from edgeq.convert.plan import group_sizes as plan_group_sizes
+from edgeq.io.hf import TOKENIZER_FILES, Checkpoint, open_checkpoint
+from edgeq.convert.recipe import Recipe, find_recipe
+from edgeq.io.writer import prepare_output, say, staging
+from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter, read_header, sha256_file
+from edgeq.convert import w4a8 as convert_w4a8
+from edgeq.convert import ingest_gptq as ingest
+from edgeq.keys import DATA
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.quantize.rtn import METHODS, quantize_groups
@@ -55,7 +57,7 @@ AUX_FILES = (
 )
 ROW_BLOCK_ELEMENTS = 4 << 20  # ~4M weights per block: the quantiser's fp32 working set stays ~100 MB
 DEFAULT_SHARD_BYTES = 2 << 30
-DEFAULT_CALIB = Path(__file__).parent / "data" / "calib-prose.txt"  # disjoint from heldout-prose.txt (fidelity's text)
+DEFAULT_CALIB = DATA / "calib-prose.txt"  # disjoint from heldout-prose.txt (fidelity's text)
 _IN_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # the driver's execution order in the supported families
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -112,9 +114,9 @@ class ConvertReport:
 
 
 def resolve_source(src: str | Path) -> Path:
-    """A local directory, or a hub id (``org/name``): :func:`edgeq.hub.resolve_model`, the one resolver of every
+    """A local directory, or a hub id (``org/name``): :func:`edgeq.io.hub.resolve_model`, the one resolver of every
     command (cache, offline mode, revision)."""
-    from edgeq.hub import resolve_model
+    from edgeq.io.hub import resolve_model
 
     return resolve_model(src)
 
@@ -167,7 +169,7 @@ def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_n
 
 def _gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOptions) -> Plan:
     """The float plan with method gptq; with act-order every quantised output also carries M.perm."""
-    from edgeq.gptq_driver import SUPPORTED_MODEL_TYPES
+    from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES
 
     opts.check()
     model_type = ckpt.config.get("model_type")
@@ -395,7 +397,7 @@ def _calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
     """Token windows from the --calib text (the model's tokenizer), and their record for the manifest."""
     import hashlib
 
-    from edgeq.gptq_driver import calibration_windows
+    from edgeq.convert.calibrate import calibration_windows
 
     opts: GPTQOptions = plan.options
     path = Path(opts.calib)
@@ -456,7 +458,7 @@ def _pack_result(e: PlanEntry, r, layout) -> list[tuple[str, torch.Tensor]]:
 def _stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], layout, writer: ShardedWriter,
                  progress: _Progress, windows: torch.Tensor) -> dict:
     """Copies first, then every quantised module as the layer-streamed GPTQ driver yields it."""
-    from edgeq.gptq_driver import gptq_model
+    from edgeq.convert.calibrate import gptq_model
 
     opts: GPTQOptions = plan.options
     anon_peak = 0
@@ -616,8 +618,8 @@ def quantization_config(manifest: Manifest, plan: Plan, layout: tinygemm.Tinygem
 
 
 def _write_config(ckpt: Checkpoint, tmp: Path, plan: Plan, layout, manifest: Manifest) -> None:
-    """config.json, then the model card README.md made from it and the manifest (edgeq/card.py)."""
-    from edgeq import card
+    """config.json, then the model card README.md made from it and the manifest (edgeq/convert/card.py)."""
+    from edgeq.convert import card
 
     config = dict(ckpt.config)
     config["tie_word_embeddings"] = False  # the head is its own quantised tensor now

@@ -1,6 +1,6 @@
-"""One benchmark pass, in a fresh process: ``python -m edgeq.bench_worker SPEC.json``.
+"""One benchmark pass, in a fresh process: ``python -m edgeq.bench.worker SPEC.json``.
 
-The parent (:mod:`edgeq.bench`) writes a :class:`PassSpec` as JSON, starts this module in a new interpreter, and
+The parent (:mod:`edgeq.bench.run`) writes a :class:`PassSpec` as JSON, starts this module in a new interpreter, and
 reads the result JSON it writes to ``spec.result``. Everything is measured here, in the process that runs the model:
 
 1. import the runtime (torch, transformers), then read the **baseline** memory (the interpreter and libraries);
@@ -32,7 +32,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgeq import measure
+from edgeq.bench import measure
 
 T_PROCESS_START = time.perf_counter()
 
@@ -543,7 +543,7 @@ def run_pass(spec: PassSpec) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m edgeq.bench_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m edgeq.bench.worker SPEC.json", file=sys.stderr)
         return 2
     spec = PassSpec.from_json(Path(argv[0]).read_text())
     try:

@@ -6,7 +6,7 @@
   ``repack`` for repack); while it exists SIGTERM (what ``timeout``, ``docker stop`` and systemd send) raises
   KeyboardInterrupt exactly like SIGINT, so both take the same cleanup path (the CLI exits 2, "interrupted"). The
   previous handlers are restored afterwards. The rename into place
-  (:func:`edgeq.checkpoint.safetensors_io.replace_dir`, which fsyncs) runs with SIGINT/SIGTERM held, so an interrupt
+  (:func:`edgeq.io.safetensors.replace_dir`, which fsyncs) runs with SIGINT/SIGTERM held, so an interrupt
   cannot tear it; one that arrives meanwhile is reported and dropped, because the output is complete by then.
 - :func:`remove_stale`: SIGKILL (and power loss) runs no cleanup, so every writer first looks for siblings of its
   own output named ``.OUT.edgeq-{tmp,repack,old}-PID`` whose PID is not a running process here, and removes them
@@ -33,7 +33,7 @@ _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 def say(message: str) -> None:
     """One line on stderr, also under -q and --json (what a writer removed or restored, a warning about its output)."""
-    from edgeq.cli_output import err  # noqa: PLC0415 (everything edgeq prints goes through cli_output)
+    from edgeq.console import err  # noqa: PLC0415 (everything edgeq prints goes through cli_output)
 
     err.print(message, markup=False, highlight=False, soft_wrap=True)
 
@@ -128,9 +128,9 @@ def _interrupts() -> Iterator[_Guard]:
 @contextmanager
 def staging(out: Path, kind: str) -> Iterator[Path]:
     """Yield a fresh temporary sibling of ``out`` to write into; when the block ends normally, rename it into place
-    (:func:`~edgeq.checkpoint.safetensors_io.replace_dir`, fsynced) with interrupts held, so the commit is never torn.
+    (:func:`~edgeq.io.safetensors.replace_dir`, fsynced) with interrupts held, so the commit is never torn.
     On any exception (KeyboardInterrupt from SIGINT or SIGTERM included) the directory is removed."""
-    from edgeq.checkpoint.safetensors_io import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
+    from edgeq.io.safetensors import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
 
     tmp = temp_dir(out, kind)
     shutil.rmtree(tmp, ignore_errors=True)  # this PID's own leftover (a container restart reuses PIDs)

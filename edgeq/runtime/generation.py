@@ -289,7 +289,7 @@ def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: 
                      threads: int | None = None, verify: bool = False, as_json: bool = False, quiet: bool = False) -> None:
     """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr (not with
     ``quiet``). ``as_json``: nothing streamed, one JSON object on stdout at the end (:func:`generation_record`)."""
-    from edgeq.cli_output import emit, say, write  # noqa: PLC0415
+    from edgeq.console import emit, say, write  # noqa: PLC0415
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
     quiet = quiet or as_json

@@ -7,7 +7,7 @@ By default only ``config.json``, the index, the manifest and the safetensors hea
   against this machine's (the probe), the head, bytes by category and bits per weight, modules not converted,
   consistency of manifest, config and headers, and the memory projection (:mod:`edgeq.memory`).
 - **hf** (a float checkpoint): what each w4a16 scheme would write and which tensors it cannot quantise, from
-  :func:`edgeq.checkpoint.plan.build_plan`, the very plan ``edgeq quantize`` builds; the memory projection is for
+  :func:`edgeq.convert.plan.build_plan`, the very plan ``edgeq quantize`` builds; the memory projection is for
   the recipe's default scheme.
 - **foreign** (GPTQ, AWQ, compressed-tensors, torchao, bitsandbytes): bits, group size, symmetry, act-order, read
   from the config and checked against the tensor shapes, and the known traps (head left in bf16 or at another
@@ -29,13 +29,13 @@ from typing import Annotated, Optional
 import torch
 import typer
 
-from edgeq.checkpoint.manifest import MANIFEST, Manifest, read_manifest
-from edgeq.checkpoint.plan import HEAD_MODULE, Plan, _role as plan_role, build_plan, effective_bits
-from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
-from edgeq.checkpoint.recipe import Recipe, find_recipe
-from edgeq.checkpoint.safetensors_io import DTYPES, FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
+from edgeq.io.manifest import MANIFEST, Manifest, read_manifest
+from edgeq.convert.plan import HEAD_MODULE, Plan, _role as plan_role, build_plan, effective_bits
+from edgeq.io.hf import Checkpoint, open_checkpoint
+from edgeq.convert.recipe import Recipe, find_recipe
+from edgeq.io.safetensors import DTYPES, FLOAT_CODES, TensorInfo, read_header, read_tensor, sha256_file
 from edgeq.errors import EdgeqError, ThresholdError
-from edgeq.hub import REVISION_HELP, resolve_model
+from edgeq.io.hub import REVISION_HELP, resolve_model
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as w4a8_layout
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry, project, scratch, w4a8_scratch
@@ -873,7 +873,8 @@ def _verify(ckpt: Checkpoint, kind: str, manifest: Manifest | None, modules: dic
 def _config_problems(ckpt: Checkpoint, modules: dict[str, QModule]) -> list[str]:
     """With --verify: the model config.json builds (on the meta device, as load builds it) must fit the tensors;
     a hidden_size or layer geometry that contradicts them is refused at load, so it is a problem here too."""
-    from edgeq.runtime import loader, skeleton  # noqa: PLC0415 - transformers; only under --verify
+    from edgeq.runtime import loader  # noqa: PLC0415 - transformers; only under --verify
+    from edgeq.io import skeleton
 
     try:
         model = skeleton.build_meta_model(skeleton.load_config(ckpt.root), torch.bfloat16)
@@ -932,7 +933,7 @@ def inspect_checkpoint(
     geometry = kv_geometry(ckpt.config)
     if kind == "edgeq":
         info, rows, modules, params, bits, manifest = _edgeq(ckpt, rec, strict_layout, problems, warnings)
-        from edgeq.convert import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
+        from edgeq.convert.pipeline import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
 
         if no_tokenizer := tokenizer_problem(ckpt.root):
             problems.append(no_tokenizer)
@@ -1153,8 +1154,8 @@ def inspect_command(
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME or .toml FILE for tensor roles and the plan [default: by model_type]."),
 ) -> None:
     """Show what is in a checkpoint, what serving it costs, and what is wrong with it (headers only by default)."""
-    from edgeq.cli import parse_bytes
-    from edgeq.cli_output import emit, err, out
+    from edgeq.cli.main import parse_bytes
+    from edgeq.console import emit, err, out
 
     report = inspect_checkpoint(resolve_model(path, revision), verify=verify, max_model_len=max_model_len,
                                 kv_cache_bytes=parse_bytes(kv_cache_bytes, "--kv-cache-bytes"), strict_layout=strict_layout,

@@ -1,4 +1,4 @@
-"""``edgeq quantize --scheme w4a8-gG``: the pieces the quantize pipeline (edgeq/convert.py, edgeq/checkpoint/plan.py)
+"""``edgeq quantize --scheme w4a8-gG``: the pieces the quantize pipeline (edgeq/convert/pipeline.py, edgeq/convert/plan.py)
 calls for the ``amx_w4a8`` layout. The pipeline itself (plan, streaming, shards, manifest, commit) is shared.
 
 Per quantised Linear ``M`` of shape [N, K], group size G, ``bk = min(G, 128)`` (= G for 32/64/128)::
@@ -18,7 +18,7 @@ blocks of a multiple of 32 rows; the qweight parts go to the writer as they are 
 (5*N*K/G bytes: 9.1 MB for a 151936 x 1536 head at G = 128) are held until the qweight is complete, because the
 writer takes each tensor whole, in declared order.
 
-Nothing here imports edgeq.checkpoint.plan or edgeq.convert (they call in, not the other way round).
+Nothing here imports edgeq.convert.plan or edgeq.convert.pipeline (they call in, not the other way round).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from edgeq.checkpoint.safetensors_io import FLOAT_CODES
+from edgeq.io.safetensors import FLOAT_CODES
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as layout
 from edgeq.quantize.w4a8 import METHODS, group_sq_error, quantize_w4a8
@@ -59,35 +59,19 @@ def block_k(scheme: Scheme) -> int:
 
 def out_tensors(module: str, n: int, k: int, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype code, shape) of what one quantised Linear writes, in write order."""
-    g, bk = scheme.group_size, block_k(scheme)
-    return [
-        (f"{module}.qweight", "U8", (n // layout.BLOCK_N, k // bk, bk * 16 + layout.COMP_BYTES)),
-        (f"{module}.scales", "F32", (n // layout.BLOCK_N, k // g, layout.BLOCK_N)),
-        (f"{module}.zeros", "I8", (n // layout.BLOCK_N, k // g, layout.BLOCK_N)),
-    ]
+    return layout.LAYOUT.out_tensors(module, n, k, scheme.group_size)
 
 
 def quantized_bytes(n: int, k: int, group_size: int) -> int:
     """N*K/2 nibbles + 4*N*K/bk compensation (int32 per row and K block) + 5*N*K/G (fp32 scale + int8 zero)."""
-    bk = layout.block_k(group_size)
-    return n * k // 2 + 4 * n * (k // bk) + 5 * n * (k // group_size)
+    return layout.nbytes(n, k, group_size)
 
 
 def plan_rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
     """Why a 2-D weight [N, K] cannot be quantised to this W4A8 scheme, with the numbers; None when it can."""
     if dtype not in FLOAT_CODES:
         return f"dtype {dtype} is not bf16/fp16/fp32 (an already-quantised or integer tensor)"
-    n, k = shape
-    g, bk = scheme.group_size, block_k(scheme)
-    if n % layout.BLOCK_N:
-        return (f"N={n} is not a multiple of {layout.BLOCK_N} (the W4A8 kernel packs 32 output rows per block); "
-                "keep it in bf16 with a recipe (keep_bf16) or use a w4a16 scheme")
-    if k % 32:
-        return f"K={k} is not a multiple of 32 (the W4A8 kernel quantises activations 32 at a time); use a w4a16 scheme"
-    if k % g or k % bk:
-        fits = [x for x in layout.GROUP_SIZES if k % x == 0]
-        return f"K={k} is not a multiple of the group size {g} (K block {bk}); use w4a8-g{max(fits)}"
-    return None
+    return layout.LAYOUT.rule(*shape, scheme.group_size)
 
 
 def row_step(n: int, k: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from edgeq.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
+from edgeq.io.safetensors import TensorInfo, read_header, read_tensor
 from edgeq.errors import EdgeqError
 
 # Any one of these lets transformers load a tokenizer from a checkpoint directory (convert warns without them, the

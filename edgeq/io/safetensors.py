@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from edgeq.checkpoint.output import temp_dir
+from edgeq.io.writer import temp_dir
 from edgeq.errors import EdgeqError
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -288,7 +288,7 @@ def replace_dir(tmp: Path, out: Path) -> None:
     once this returns a power loss cannot bring back a missing or half-written ``out`` (rename alone orders nothing
     on disk: ext4/xfs may persist the new name before the data). An existing ``out`` is renamed aside to
     ``.OUT.edgeq-old-PID`` first and removed only after the new one is in place; a process killed in between
-    leaves it there, and the next writer of ``out`` puts it back (edgeq.checkpoint.output.remove_stale)."""
+    leaves it there, and the next writer of ``out`` puts it back (edgeq.io.writer.remove_stale)."""
     fsync_tree(tmp)
     old = None
     if out.exists() or out.is_symlink():

@@ -1,5 +1,5 @@
 """The ``edgeq`` command. Each command parses, calls one function that returns a dataclass, and prints it through
-:mod:`edgeq.cli_output` (``--json`` everywhere; ``-q`` wherever progress is printed). An :class:`EdgeqError` and a
+:mod:`edgeq.console` (``--json`` everywhere; ``-q`` wherever progress is printed). An :class:`EdgeqError` and a
 click usage error alike are one ``error: ...`` line on stderr and exit code 2; a broken threshold exit 1.
 """
 
@@ -15,10 +15,10 @@ import typer
 from rich.table import Table
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError  # typer vendors click
 
-from edgeq.cli_help import EdgeqGroup
-from edgeq.cli_output import emit, err, error, out, say  # the commands' one output module
+from edgeq.cli.help import EdgeqGroup
+from edgeq.console import emit, err, error, out, say  # the commands' one output module
 from edgeq.errors import EdgeqError, ThresholdError
-from edgeq.hub import REVISION_HELP, display_name, resolve_model
+from edgeq.io.hub import REVISION_HELP, display_name, resolve_model
 
 # rich_markup_mode=None: plain click help, so a help text's "[default: ...]" is shown, not read as rich markup.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=EdgeqGroup,
@@ -84,8 +84,8 @@ def quantize(
     max_shard_size: str = size_option("2GiB", "--max-shard-size", "Largest output shard, e.g. 2GiB, 500MB."),
 ) -> None:
     """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
-    from edgeq.checkpoint.plan import plan_rows
-    from edgeq.convert import convert, prepare
+    from edgeq.convert.plan import plan_rows
+    from edgeq.convert.pipeline import convert, prepare
     from edgeq.scheme import Scheme
 
     if scheme is not None and scheme.strip().lower() == "auto":
@@ -119,7 +119,7 @@ def quantize(
 def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
     """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
     that prepare() can refuse calibration options without --method gptq."""
-    from edgeq.convert import GPTQOptions
+    from edgeq.convert.pipeline import GPTQOptions
 
     given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
                                ("act_order", act_order), ("damp", damp)) if v is not None}
@@ -170,7 +170,7 @@ def _render_convert(r) -> None:
 @app.command()
 def recipes(as_json: bool = typer.Option(False, "--json")) -> None:
     """List the bundled per-family recipes."""
-    from edgeq.checkpoint.recipe import all_recipes
+    from edgeq.convert.recipe import all_recipes
 
     found = all_recipes()
 
@@ -207,7 +207,7 @@ def generate(
                                 "generating (reads the whole checkpoint once; see docs/runtime.md)."),
 ) -> None:
     """Generate text, streamed to stdout; load info and tokens/s on stderr (--json: one JSON record instead)."""
-    from edgeq.runtime.generate import generate_command
+    from edgeq.runtime.generation import generate_command
 
     model = str(resolve_model(model, revision))
     generate_command(model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat,
@@ -258,7 +258,7 @@ def repack(
                                  "seconds, old and new layout hash)."),
 ) -> None:
     """Rewrite a checkpoint's packed weights for this machine's measured kernel layout."""
-    from edgeq.runtime.repack import repack, repack_command
+    from edgeq.runtime.repacker import repack, repack_command
 
     if as_json:
         emit(repack(model, output), as_json)
@@ -296,10 +296,10 @@ def native(as_json: bool = typer.Option(False, "--json")) -> None:
 
 def _register_edges() -> None:
     """Commands whose modules define their own Typer signatures."""
-    from edgeq.fidelity import fidelity_command
-    from edgeq.report import inspect_command
+    from edgeq.fidelity.core import fidelity_command
+    from edgeq.inspect.report import inspect_command
     from edgeq.route import route_command
-    from edgeq.bench import bench_command
+    from edgeq.bench.run import bench_command
 
     app.command("inspect")(inspect_command)
     app.command("bench")(bench_command)

@@ -8,7 +8,7 @@
 
 The rules (docs/methodology.md says why each exists):
 
-- every pass runs in a fresh worker process (:mod:`edgeq.bench_worker`); arms are interleaved A B A B ...; at least
+- every pass runs in a fresh worker process (:mod:`edgeq.bench.worker`); arms are interleaved A B A B ...; at least
   3 passes; each metric is reported as median with min and max;
 - if any pass of any arm fails, the failure is printed and there is no comparison (exit code 1);
 - the worker counts the calls of each compute path and reads the effective settings back from the loaded runtime;
@@ -39,9 +39,9 @@ from typing import Callable, Optional
 
 import typer
 
-from edgeq.bench_worker import PassSpec
+from edgeq.bench.worker import PassSpec
 from edgeq.errors import EdgeqError
-from edgeq.hub import REVISION_HELP, resolve_model, resolve_models
+from edgeq.io.hub import REVISION_HELP, resolve_model, resolve_models
 
 SCHEMA_VERSION = 1
 MIN_PASSES = 3
@@ -254,14 +254,14 @@ def worker_env(arm: Arm) -> dict:
 
 
 def run_worker(arm: Arm, spec: PassSpec, workdir: Path, timeout_s: float) -> PassResult:
-    """Start ``python -m edgeq.bench_worker`` for one pass and wait for it (wait4: its own rusage)."""
+    """Start ``python -m edgeq.bench.worker`` for one pass and wait for it (wait4: its own rusage)."""
     stem = workdir / f"{arm.label}-{spec.pass_index}"
     spec_path, out_path, err_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out"), stem.with_suffix(".err")
     spec_path.write_text(spec.to_json())
     env = worker_env(arm)
     t0 = time.perf_counter()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "edgeq.bench_worker", str(spec_path)], stdout=out, stderr=err,
+        proc = subprocess.Popen([sys.executable, "-m", "edgeq.bench.worker", str(spec_path)], stdout=out, stderr=err,
                                 env=env, start_new_session=True)
     status, usage, timed_out = _wait(proc.pid, timeout_s)
     wall = time.perf_counter() - t0
@@ -499,7 +499,7 @@ def projection(arm: Arm, settings: dict, ledger: dict) -> dict:
 def _project(path: str, settings: dict):
     budget, mml = int(settings["kv_cache_budget"]), int(settings["max_model_len"])
     if settings.get("quantized"):
-        from edgeq.report import inspect_checkpoint
+        from edgeq.inspect.report import inspect_checkpoint
 
         rep = inspect_checkpoint(path, max_model_len=mml, kv_cache_bytes=budget)
         if rep.memory is None:
@@ -507,7 +507,7 @@ def _project(path: str, settings: dict):
         return rep.memory, "edgeq inspect --max-model-len {} --kv-cache-bytes {}".format(mml, budget)
     import math
 
-    from edgeq.checkpoint.reader import open_checkpoint
+    from edgeq.io.hf import open_checkpoint
     from edgeq.memory import Tensor, kv_geometry, project
 
     ckpt = open_checkpoint(path)
@@ -555,7 +555,7 @@ def run_convert(model: str, scheme: str | None, method: str | None, passes: int,
             if progress:
                 progress(f"conversion pass {p + 1}/{passes}: {model}")
             out = Path(keep) if keep is not None else base / f"out-{p}"
-            cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(out), "--json", "-q", "--force"]
+            cmd = [sys.executable, "-m", "edgeq.cli.main", "quantize", str(model), "-o", str(out), "--json", "-q", "--force"]
             cmd += ["--scheme", scheme] if scheme else []
             cmd += ["--method", method] if method else []
             stdout, stderr = base / f"{p}.out", base / f"{p}.err"
@@ -804,7 +804,7 @@ def bench_command(
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No per-pass progress lines on stderr."),
 ) -> None:
     """Measure speed and memory: fresh process per pass, interleaved arms, medians with spread, verified paths."""
-    from edgeq.cli_output import err, out, write
+    from edgeq.console import err, out, write
 
     say = None if as_json or quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]", highlight=False))
     if convert is not None:

@@ -5,7 +5,7 @@ machine's :func:`~edgeq.layouts.tinygemm.probe` by default); every other tensor 
 result is written into a temporary sibling directory and renamed into place (fsynced; the old directory is renamed
 aside first and removed last), so an interruption (Ctrl-C, SIGTERM, SIGKILL, power loss) leaves either the old or the
 new checkpoint, never a mix. An explicit output may not be, contain or lie inside the input
-(edgeq/checkpoint/output.py).
+(edgeq/io/writer.py).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from edgeq.checkpoint.output import prepare_output, staging
-from edgeq.checkpoint.safetensors_io import sha256_file
+from edgeq.io.writer import prepare_output, staging
+from edgeq.io.safetensors import sha256_file
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.runtime.qinfo import MANIFEST, read_json, read_quant_info
-from edgeq.runtime.weights import MappedFiles, read_header
+from edgeq.io.mapped import MappedFiles, read_header
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _metadata(shard: Path) -> dict | None:
 
 def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackReport:
     """Repack ``path`` in place (or into ``out``) for ``layout`` (default: this machine's)."""
-    from edgeq.hub import is_hub_id  # noqa: PLC0415
+    from edgeq.io.hub import is_hub_id  # noqa: PLC0415
 
     if is_hub_id(path):  # repack writes files: never into the hub cache, whose snapshots other programs share
         raise EdgeqError(f"{path}: repack rewrites a local checkpoint directory, and this is a hub id; download it "
@@ -101,8 +101,8 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
 
 def repack_command(path: str, out: str | None = None) -> None:
     """`edgeq repack PATH [--out DIR]`: rewrite the packed weights for this machine's kernel layout."""
-    from edgeq.cli_output import say  # noqa: PLC0415
-    from edgeq.convert import describe_layout  # noqa: PLC0415
+    from edgeq.console import say  # noqa: PLC0415
+    from edgeq.convert.pipeline import describe_layout  # noqa: PLC0415
 
     r = repack(path, out)
     layout = describe_layout(tinygemm.probe())  # the target: what this process's torch packs for, and why

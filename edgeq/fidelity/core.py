@@ -39,12 +39,13 @@ import numpy as np
 import torch
 import typer
 
+from edgeq.keys import DATA
 from edgeq.errors import EdgeqError, ThresholdError
-from edgeq.hub import REVISION_HELP, resolve_models
+from edgeq.io.hub import REVISION_HELP, resolve_models
 
-DEFAULT_TEXT = Path(__file__).parent / "data" / "heldout-prose.txt"
-REPORT_SCHEMA = "edgeq.fidelity/1"
-REF_FORMAT = "edgeq.fidelity-ref/1"
+DEFAULT_TEXT = DATA / "heldout-prose.txt"
+REPORT_SCHEMA = "edgeq.fidelity.core/1"
+REF_FORMAT = "edgeq.fidelity.core-ref/1"
 SCORE_MODES = ("half", "all")
 DEFAULT_CTX = 512
 DEFAULT_REF_TOPK = 32
@@ -114,7 +115,7 @@ class FidelityReport:
     per_layer_count: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (schema ``edgeq.fidelity/1``); non-finite floats become ``None``."""
+        """JSON-ready dict (schema ``edgeq.fidelity.core/1``); non-finite floats become ``None``."""
         d: dict[str, Any] = {"schema": REPORT_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -958,7 +959,7 @@ def run_fidelity(ref: Optional[str | os.PathLike], quant: Optional[str | os.Path
 
 def is_edgeq_checkpoint(path: str | os.PathLike) -> bool:
     """An edgeq checkpoint carries its manifest (every kernel's); a Hugging Face checkpoint does not."""
-    from edgeq.checkpoint.manifest import MANIFEST
+    from edgeq.io.manifest import MANIFEST
 
     return (Path(path) / MANIFEST).is_file()
 
@@ -1046,7 +1047,7 @@ def _progress_bar(quiet: bool = False):
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
-    from edgeq.cli_output import err
+    from edgeq.console import err
 
     if quiet:
         return nullcontext(), None
@@ -1068,7 +1069,7 @@ def fidelity_command(
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="tokens per window (default: 512, or the --ref file's)")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="stop after this many scored tokens")] = None,
     score: Annotated[Optional[str], typer.Option("--score", help="half: the second half of each window, as llama-perplexity (default); all: every position")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (schema edgeq.fidelity/1)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (schema edgeq.fidelity.core/1)")] = False,
     save_ref: Annotated[Optional[Path], typer.Option("--save-ref", help="also cache the reference's top-k log-probs here")] = None,
     ref: Annotated[Optional[Path], typer.Option("--ref", help="compare against a --save-ref file instead of REF")] = None,
     ref_topk: Annotated[int, typer.Option("--ref-topk", help="k for --save-ref")] = DEFAULT_REF_TOPK,
@@ -1081,8 +1082,8 @@ def fidelity_command(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bar")] = False,
 ) -> None:
     """Score a quantised checkpoint against its reference (KLD, PPL ratio, top-1 agreement, ...)."""
-    from edgeq import card
-    from edgeq.cli_output import err, out, write
+    from edgeq.convert import card
+    from edgeq.console import err, out, write
 
     if not 1 <= len(models) <= 2:
         raise EdgeqError(f"fidelity: {len(models)} checkpoints given; usage: edgeq fidelity REF QUANT")

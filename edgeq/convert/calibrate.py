@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from edgeq.checkpoint.reader import Checkpoint, open_checkpoint
+from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.quantize.gptq import GPTQResult, HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
 from edgeq.scheme import Scheme

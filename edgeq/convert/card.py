@@ -132,7 +132,7 @@ def _head(f: CardFacts) -> str:
 
 def _front_matter(f: CardFacts) -> str:
     lines = ["---", "library_name: edgeq", "pipeline_tag: text-generation"]
-    from edgeq.hub import is_hub_id  # noqa: PLC0415
+    from edgeq.io.hub import is_hub_id  # noqa: PLC0415
 
     if f.source and is_hub_id(f.source):
         lines += [f"base_model: {f.source}", "base_model_relation: quantized"]

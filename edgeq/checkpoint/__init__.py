@@ -1,1 +1,0 @@
-"""edgeq.checkpoint"""

@@ -1,0 +1,1 @@
+"""edgeq.cli: the `edgeq` command (entry point edgeq.cli.main:main), one module per command group."""

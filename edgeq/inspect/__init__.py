@@ -1,0 +1,1 @@
+"""edgeq/inspect"""

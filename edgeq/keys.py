@@ -1,0 +1,68 @@
+"""Every name edgeq writes into a file or branches on, in one place: kernels, tensor roles, plan actions, file
+names, metadata keys and the format version.
+
+The enums are ``StrEnum``: a member *is* its string (``Kernel.W4A8 == "amx_w4a8"``, ``json.dumps`` writes
+``"amx_w4a8"``, an f-string prints ``amx_w4a8``), so files written before the enums existed read back unchanged and
+a member can be passed wherever a string was.
+
+    >>> Kernel("tinygemm_w4a16") is Kernel.W4A16
+    True
+    >>> f"{Role.HEAD}", Action.QUANTIZE in QUANTIZED_ACTIONS
+    ('head', True)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+FORMAT_VERSION = 1  # the manifest's format_version; a reader refuses any other
+
+# file names in an edgeq checkpoint directory
+MANIFEST = "edgeq_manifest.json"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+CARD = "README.md"
+
+DATA = Path(__file__).resolve().parent / "data"  # the bundled tiny model, calibration and held-out text
+
+QUANT_METHOD = "edgeq"  # config.json quantization_config.quant_method of every edgeq checkpoint
+HEAD_MODULE = "lm_head"  # the default output head; a recipe may name another (Recipe.head)
+
+
+class Kernel(StrEnum):
+    """The runtime path a checkpoint is packed for (manifest ``kernel``); one :mod:`edgeq.layouts` entry each.
+
+    - ``W4A16`` = ``"tinygemm_w4a16"``: 4-bit weights, bf16 activations; PyTorch's ``_weight_int4pack_mm_for_cpu``
+      layout (``M.qweight`` uint8 [N, K/2], ``M.scales_and_zeros`` bf16 [K/G, N, 2]).
+    - ``W4A8`` = ``"amx_w4a8"``: 4-bit weights, int8 per-token activations; the AMX/VNNI ``int4_scaled_mm_cpu``
+      layout (``M.qweight`` uint8 [N/32, K/bk, 16 bk + 128], ``M.scales`` fp32 / ``M.zeros`` int8 [N/32, K/G, 32]).
+    """
+
+    W4A16 = "tinygemm_w4a16"
+    W4A8 = "amx_w4a8"
+
+
+class Role(StrEnum):
+    """What a tensor of the input checkpoint is, from its name and shape (edgeq/convert/plan.py)."""
+
+    LINEAR = "linear"  # 2-D ``*.weight`` of a projection
+    HEAD = "head"  # the output head (always quantised)
+    EMBEDDING = "embedding"
+    NORM = "norm"  # 1-D ``*norm*``
+    BIAS = "bias"
+    OTHER = "other"
+
+
+class Action(StrEnum):
+    """What the converter does with a tensor (edgeq/convert/plan.py)."""
+
+    QUANTIZE = "quantize"  # float weight -> the kernel's packed tensors
+    KEEP = "keep"  # a Linear a recipe keeps in bf16 (reported, never silent)
+    COPY = "copy"  # cast to bf16
+    REPACK = "repack"  # a 4-bit GPTQ layer mapped exactly onto tinygemm
+    REQUANTIZE = "requantize"  # a GPTQ layer dequantised exactly and quantised again
+
+
+QUANTIZED_ACTIONS = (Action.QUANTIZE, Action.REPACK, Action.REQUANTIZE)  # actions whose output is packed
