@@ -179,7 +179,7 @@ def test_pack_unpack_round_trip(g):
 
 def test_fingerprint():
     fp = L.fingerprint(128)
-    assert fp["op"] == L.LAYOUT == "amx_w4a8" and L.KERNEL == "amx_w4a8"
+    assert fp["op"] == L.LAYOUT_NAME == "amx_w4a8" and L.KERNEL == "amx_w4a8"
     assert fp["block_n"] == 32 and fp["block_k"] == 128 and fp["vnni"] == 4 and fp["version"] == 1
     assert L.fingerprint(32)["block_k"] == 32
     assert len(fp["layout_hash"]) == 64 and fp["layout_hash"] == L.fingerprint(64)["layout_hash"]

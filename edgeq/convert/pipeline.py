@@ -510,17 +510,6 @@ def _eta_label(done: int, total: int, t0: float, what: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------------------- records
-class _Manifest(Manifest):
-    """The manifest plus method records as extra top-level keys (readers ignore keys they do not know)."""
-
-    def __init__(self, extra: dict, **fields):
-        super().__init__(**fields)
-        object.__setattr__(self, "_extra", extra)
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), **self._extra}
-
-
 def _manifest(plan: Plan, layout: tinygemm.TinygemmLayout, digests: dict, order: list[PlanEntry] | None = None,
               details: dict | None = None) -> Manifest:
     tensors = {}
@@ -554,8 +543,9 @@ def _manifest(plan: Plan, layout: tinygemm.TinygemmLayout, digests: dict, order:
         tensors=tensors,
         created_by={"edgeq": edgeq.__version__, "torch": torch.__version__, "recipe": plan.recipe},
         group_sizes=plan_group_sizes(plan),
+        extra=extra,  # the method's records as extra top-level keys (readers ignore keys they do not know)
     )
-    return _Manifest(extra, **fields) if extra else Manifest(**fields)
+    return Manifest(**fields)
 
 
 def _float_method(plan: Plan) -> str:

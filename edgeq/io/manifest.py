@@ -14,6 +14,9 @@ Keys (format_version 1)::
     created_by      {"edgeq": version, "torch": version}
     group_sizes     {module: G} for quantised modules whose group size differs from the scheme's (a recipe's
                     group_sizes); absent when every module uses the scheme's, as in checkpoints written before it
+
+Any other top-level key (the method's records, e.g. ``gptq``, ``perm_modules``) is kept in ``extra`` and written back
+unchanged: reading a manifest and writing it again loses nothing.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from pathlib import Path
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
 
-FORMAT_VERSION = 1
-MANIFEST = "edgeq_manifest.json"
-KERNELS = ("tinygemm_w4a16", "amx_w4a8")
+from edgeq.keys import FORMAT_VERSION, MANIFEST, Kernel
+
+KERNELS = tuple(k.value for k in Kernel)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Manifest:
     format_version: int
     scheme: str
     method: str
-    kernel: str
+    kernel: Kernel
     layout: dict
     head: dict
     quantized_modules: tuple[str, ...]
@@ -45,6 +48,7 @@ class Manifest:
     tensors: dict
     created_by: dict
     group_sizes: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # top-level keys this version does not model, kept as read
 
     def group_size(self, module: str) -> int:
         """The group size ``module`` was quantised with: its ``group_sizes`` entry, else the scheme's."""
@@ -52,10 +56,11 @@ class Manifest:
 
     def to_json(self) -> dict:
         d = asdict(self)
+        extra = d.pop("extra")
         d["quantized_modules"] = list(self.quantized_modules)
         if not self.group_sizes:
             del d["group_sizes"]  # uniform checkpoints keep the original key set
-        return d
+        return {**d, **extra}
 
     def write(self, directory: Path) -> None:
         text = json.dumps(self.to_json(), indent=1)
@@ -77,14 +82,18 @@ class Manifest:
             raise EdgeqError(f"{where}: the output head is not recorded as quantised; edgeq checkpoints always quantise it")
         try:
             return cls(
-                format_version=version, scheme=str(d["scheme"]), method=str(d["method"]), kernel=str(d["kernel"]),
+                format_version=version, scheme=str(d["scheme"]), method=str(d["method"]), kernel=Kernel(d["kernel"]),
                 layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(d["quantized_modules"]),
                 modules_not_converted=dict(d.get("modules_not_converted", {})), shards=dict(d["shards"]),
                 tensors=dict(d.get("tensors", {})), created_by=dict(d.get("created_by", {})),
                 group_sizes={str(m): int(g) for m, g in dict(d.get("group_sizes", {})).items()},
+                extra={k: v for k, v in d.items() if k not in _FIELDS},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise EdgeqError(f"{where}: malformed manifest (missing or bad key {e}); re-quantise the checkpoint") from e
+
+
+_FIELDS = frozenset(f for f in Manifest.__dataclass_fields__ if f != "extra")
 
 
 def read_manifest(directory: Path) -> Manifest:

@@ -55,7 +55,7 @@ from edgeq.keys import Kernel
 from edgeq.quantize.w4a8 import fma_f32, fma_into, quantize_activations
 
 KERNEL = Kernel.W4A8
-LAYOUT = "amx_w4a8"
+LAYOUT_NAME = "amx_w4a8"  # the layout record's "layout"/"op" value
 LAYOUT_VERSION = 1
 BLOCK_N = 32
 VNNI = 4
@@ -63,7 +63,7 @@ MAX_BLOCK_K = 128
 COMP_BYTES = BLOCK_N * 4
 GROUP_SIZES = (32, 64, 128)
 _DESCRIPTION = {
-    "layout": LAYOUT,
+    "layout": LAYOUT_NAME,
     "version": LAYOUT_VERSION,
     "source": "sglang int4_scaled_mm_cpu / convert_weight_packed_scale_zp (vLLM CPU port identical)",
     "block_n": BLOCK_N,
@@ -90,7 +90,7 @@ def block_k(group_size: int) -> int:
 def fingerprint(group_size: int) -> dict:
     """What the manifest records: equal dicts mean identical bytes for the same (N, K)."""
     return {
-        "op": LAYOUT,
+        "op": LAYOUT_NAME,
         "kernel": KERNEL,
         "version": LAYOUT_VERSION,
         "block_n": BLOCK_N,
