@@ -448,7 +448,7 @@ def test_save_reference_alone_matches(tmp_path):
     ref = F.load_reference_file(path)
     h = ref.header
     assert (h["format"], h["ctx"], h["score"], h["k"], h["vocab_size"], h["bos_id"]) == \
-           ("edgeq.fidelity.core-ref/1", 32, "half", 6, V, 0)
+           ("edgeq.fidelity-ref/1", 32, "half", 6, V, 0)
     assert h["positions"] == n and ref.rows.topk_ids.dtype == torch.int32
     assert ref.rows.topk_logprobs.dtype == torch.float64 and ref.windows.shape == (h["windows"], 32)
 
@@ -595,7 +595,7 @@ def test_thresholds_name_the_broken_bound():
 
 
 NUM, OPT, INT_OPT = float, (float, type(None)), (int, type(None))
-GOLDEN_SCHEMA = [  # key order and value types of edgeq.fidelity.core/1 (docs/fidelity.md, "JSON")
+GOLDEN_SCHEMA = [  # key order and value types of edgeq.fidelity/1 (docs/fidelity.md, "JSON")
     ("schema", str), ("partial", bool), ("ctx", int), ("score", str), ("windows", int), ("tokens_scored", int),
     ("ref_topk", INT_OPT),
     ("ppl_ref", NUM), ("ppl_ref_err", OPT), ("ppl_quant", NUM), ("ppl_quant_err", OPT),
@@ -619,7 +619,7 @@ def test_json_schema_golden(tmp_path):
         assert list(d) == [k for k, _ in GOLDEN_SCHEMA]
         for k, t in GOLDEN_SCHEMA:
             assert isinstance(d[k], t) and not (t is float and isinstance(d[k], bool)), (k, d[k])
-    assert full["schema"] == "edgeq.fidelity.core/1"
+    assert full["schema"] == "edgeq.fidelity/1"
     assert full["ref_topk"] is None and full["kld_topk_bound"] is None and isinstance(full["per_layer"], list)
     assert cached["ref_topk"] == 32 and isinstance(cached["kld_topk_bound"], float) and cached["per_layer"] is None
     assert [list(e) for e in full["per_layer"]] == [["name", "rel_err", "local_rel_err"]] * 3
@@ -667,7 +667,7 @@ def test_cli_json_and_thresholds(cli):
     ok = cli("ref", "light", "--json", "--max-kld", "1", "--min-top1", "0.5", "--max-ppl-ratio", "2")
     assert ok.exit_code == 0, ok.output
     d = json.loads(ok.stdout)
-    assert d["schema"] == "edgeq.fidelity.core/1" and d["tokens_scored"] == 15 * d["windows"]
+    assert d["schema"] == "edgeq.fidelity/1" and d["tokens_scored"] == 15 * d["windows"]
     bad = cli("ref", "heavy", "--json", "--max-kld", "1e-6", "--min-top1", "0.5")
     assert isinstance(bad.exception, ThresholdError)
     assert str(bad.exception).startswith("mean KLD ") and str(bad.exception).endswith("> --max-kld 1e-06")

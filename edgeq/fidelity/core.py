@@ -44,8 +44,8 @@ from edgeq.errors import EdgeqError, ThresholdError
 from edgeq.io.hub import REVISION_HELP, resolve_models
 
 DEFAULT_TEXT = DATA / "heldout-prose.txt"
-REPORT_SCHEMA = "edgeq.fidelity.core/1"
-REF_FORMAT = "edgeq.fidelity.core-ref/1"
+REPORT_SCHEMA = "edgeq.fidelity/1"
+REF_FORMAT = "edgeq.fidelity-ref/1"
 SCORE_MODES = ("half", "all")
 DEFAULT_CTX = 512
 DEFAULT_REF_TOPK = 32
@@ -115,7 +115,7 @@ class FidelityReport:
     per_layer_count: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (schema ``edgeq.fidelity.core/1``); non-finite floats become ``None``."""
+        """JSON-ready dict (schema ``edgeq.fidelity/1``); non-finite floats become ``None``."""
         d: dict[str, Any] = {"schema": REPORT_SCHEMA}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -1069,7 +1069,7 @@ def fidelity_command(
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="tokens per window (default: 512, or the --ref file's)")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="stop after this many scored tokens")] = None,
     score: Annotated[Optional[str], typer.Option("--score", help="half: the second half of each window, as llama-perplexity (default); all: every position")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (schema edgeq.fidelity.core/1)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON (schema edgeq.fidelity/1)")] = False,
     save_ref: Annotated[Optional[Path], typer.Option("--save-ref", help="also cache the reference's top-k log-probs here")] = None,
     ref: Annotated[Optional[Path], typer.Option("--ref", help="compare against a --save-ref file instead of REF")] = None,
     ref_topk: Annotated[int, typer.Option("--ref-topk", help="k for --save-ref")] = DEFAULT_REF_TOPK,
