@@ -121,15 +121,15 @@ def test_decode_ops_choice_and_errors(prose, monkeypatch):
         load(prose, prefill_threshold=4, kv_cache_bytes="1MiB")
     monkeypatch.delenv("EDGEQ_DECODE_OPS")
     monkeypatch.setenv("EDGEQ_NATIVE_ISA", "off")
-    from edgeq.runtime import native
+    from edgeq.runtime.native import w4a16
 
-    monkeypatch.setattr(native, "_state", None)
+    monkeypatch.setattr(w4a16, "_state", None)
     lm = load(prose, prefill_threshold=4, kv_cache_bytes="1MiB")
     assert lm.settings.decode_ops == "torch"
     assert lm.settings.decode_ops_reason == "native library unavailable (disabled by EDGEQ_NATIVE_ISA=off)"
     with pytest.raises(EdgeqError, match="decode_ops=native but the native library does not run here"):
         load(prose, prefill_threshold=4, kv_cache_bytes="1MiB", decode_ops="native")
-    monkeypatch.setattr(native, "_state", None)
+    monkeypatch.setattr(w4a16, "_state", None)
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])

@@ -1,4 +1,4 @@
-"""The native W4A16 kernel (edgeq/runtime/native.py, edgeq/csrc/): numerics against the aten op and the fp64
+"""The native W4A16 kernel (edgeq/runtime/native/, edgeq/csrc/): numerics against the aten op and the fp64
 reference, every ISA path, the layouts it reads and refuses, errors by message.
 
 Tolerance (stated once, used everywhere): with ref = x @ dequant(W).T in fp64 and A = |x| @ |dequant(W)|.T,
@@ -22,6 +22,7 @@ import torch
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import native
+from edgeq.runtime.native import w4a16
 
 # (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
 CASES = [
@@ -274,10 +275,10 @@ def test_build_failure_is_reported_and_aten_still_works(children):
 @pytest.fixture
 def fresh_state(ready, monkeypatch):
     """Let native re-read EDGEQ_NATIVE_ISA in this process; restore the loaded state afterwards."""
-    saved = native._state
-    monkeypatch.setattr(native, "_state", None)
+    saved = w4a16._state
+    monkeypatch.setattr(w4a16, "_state", None)
     yield monkeypatch
-    native._state = saved
+    w4a16._state = saved
 
 
 def _tiny_call():
@@ -312,12 +313,12 @@ def test_bad_env_var_reaches_the_runtime(fresh_state):
     with pytest.raises(EdgeqError, match="avx9000"):
         qlinear._native()
     fresh_state.setenv(native.ENV_ISA, "off")
-    native._state = None
+    w4a16._state = None
     assert qlinear._native() is None
 
 
 def test_env_var_isa_the_cpu_lacks(fresh_state):
-    fresh_state.setattr(native, "_features_to_isas", lambda bits: ("scalar",))  # a CPU without AVX2/AVX512
+    fresh_state.setattr(w4a16, "_cpu_features", lambda: 0)  # a CPU without AVX2/AVX512
     fresh_state.setenv(native.ENV_ISA, "avx512")
     with pytest.raises(EdgeqError, match="EDGEQ_NATIVE_ISA=avx512 but this CPU lacks it"):
         native.available()
@@ -353,7 +354,7 @@ def test_native_command(ready, capsys, fresh_state):
     native.native_command(as_json=True)
     doc = json.loads(capsys.readouterr().out)
     assert doc["isa"] == ready["isa"] and set(doc["w4a8"]) >= {"available", "isa", "reason"}
-    fresh_state.setattr(native, "_state", None)
+    fresh_state.setattr(w4a16, "_state", None)
     fresh_state.setenv(native.ENV_ISA, "off")
     native.native_command()
     assert "not available (disabled by EDGEQ_NATIVE_ISA=off)" in capsys.readouterr().out

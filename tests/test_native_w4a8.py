@@ -1,4 +1,4 @@
-"""edgeq's native W4A8 kernel (edgeq/runtime/native_w4a8.py, edgeq/csrc/w4a8mm*): exact bits against the portable
+"""edgeq's native W4A8 kernel (edgeq/runtime/native/w4a8.py, edgeq/csrc/w4a8mm*): exact bits against the portable
 path (edgeq.layouts.w4a8.w4a8_linear, itself pinned to the kernel arithmetic in tests/test_w4a8.py) on every ISA path
 this CPU runs (here scalar, avx2, avxvnni, vnni, amx), thread-count independence, the runtime choosing it, and the
 environment switch.
@@ -18,7 +18,8 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
-from edgeq.runtime import native_w4a8, w4a8linear
+from edgeq.runtime import w4a8linear
+from edgeq.runtime.native import w4a8 as native_w4a8
 
 # (M, N, K, G): decode M 1..8 (both decode tiles and the 4-row split), prefill M 20..130 (VNNI 8-row tiles + tails;
 # AMX 32-row steps with a full, partial (20, 50) or absent (33, 130) second 16-row tile);

@@ -1,0 +1,57 @@
+"""The native decode ops around the projections (the lean decoder's ``decode_ops="native"``): attention over the KV
+cache, residual add + RMSNorm, RoPE + cache write. They live in the W4A16 kernel's library (:mod:`.w4a16`: its build,
+its ISA choice, its ``EDGEQ_NATIVE_ISA``); the C++ and the roundings are in ``edgeq/csrc/attn_*`` and
+``edgeq/csrc/decode_ops.cpp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.runtime.native import w4a16
+
+
+def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, scale: float,
+                out: torch.Tensor, *, isa: str | None = None) -> None:
+    """Single-query attention over the KV cache into ``out`` (bf16 [H, D]); the same library as ``int4_mm``.
+
+    ``q`` bf16 [H, D], ``keys``/``values`` the cache's bf16 [1, KVH, CAP, D] buffers read in place over positions
+    ``[start, end)``; query head h attends with kv head ``h // (H // KVH)`` (GQA). fp32 scores, softmax and sums,
+    one rounding to bf16 (edgeq/csrc/attn_decode.h has the formula and a worked example). The ISA is the process's
+    choice for ``int4_mm`` (``EDGEQ_NATIVE_ISA``) unless ``isa`` names one for this call (tests). Raises
+    :class:`EdgeqError` when the library is unavailable or the arguments are wrong.
+    """
+    st = w4a16.state()
+    isa_code = w4a16.isa_code(st, isa) if st.available else 0  # unavailable: _small_op raises with the reason
+    _small_op("decode_attn", q, keys, values, start, end, scale, out, isa_code)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor) -> None:
+    """``x += delta`` (when given, bf16, in place), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))`` per row:
+    transformers' RMSNorm in one call (edgeq/csrc/decode_ops.cpp has the roundings). Raises :class:`EdgeqError`."""
+    _small_op("add_rms_norm", x, delta, weight, eps, out)
+
+
+def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, nsin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, pos: int, rot_q: torch.Tensor) -> None:
+    """RoPE of one token's q and k (transformers' roundings, bit for bit) into ``rot_q`` and the cache at ``pos``,
+    and v into the cache: edgeq/csrc/decode_ops.cpp. Raises :class:`EdgeqError`."""
+    _small_op("rope_to_cache", q, k, v, cos, nsin, keys, values, pos, rot_q)
+
+
+_SMALL_OPS: dict = {}
+
+
+def _small_op(name: str, *args) -> None:
+    """Call ``torch.ops.edgeq.<name>`` (looked up once) when the library is available here (checked every call, as
+    ``int4_mm`` does), with its argument errors as :class:`EdgeqError`."""
+    st = w4a16.state()
+    if not st.available:
+        raise EdgeqError(f"native {name} is not available: {st.reason}")
+    op = _SMALL_OPS.get(name) or _SMALL_OPS.setdefault(name, getattr(torch.ops.edgeq, name).default)
+    try:
+        op(*args)
+    except RuntimeError as e:
+        raise EdgeqError(f"native {name}: {str(e).splitlines()[0]}") from e
