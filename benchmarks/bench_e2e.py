@@ -24,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edgeq, whatever pip points at
 from synthetic import SHAPES, write  # noqa: E402
 
-from edgeq.bench.run import Arm, BenchConfig, compare, fmt_stat, run_bench, run_convert, to_json  # noqa: E402
+from edgeq.bench.conversion import run_convert  # noqa: E402
+from edgeq.bench.records import Arm, BenchConfig  # noqa: E402
+from edgeq.bench.render import fmt_stat, to_json  # noqa: E402
+from edgeq.bench.schedule import run_bench  # noqa: E402
+from edgeq.bench.summary import compare  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
 SCHEME = "w4a16-g128"
@@ -219,7 +223,7 @@ def main() -> None:
         if not args.no_bf16:
             arms.append(Arm("B", str(prep["src"]), **common))
         if prep["gguf"] is not None:
-            from edgeq.bench.run import default_context  # noqa: PLC0415
+            from edgeq.bench.gguf_arm import default_context  # noqa: PLC0415
 
             ctx = default_context(str(prep["quantized"]), args.kv_cache_bytes)
             repack = llama_repack_mode(prep["gguf"], args, ctx)

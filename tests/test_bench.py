@@ -20,10 +20,14 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from edgeq.bench import measure, process
 from edgeq.bench import run as bench
-from edgeq.bench import measure
-from edgeq.bench.run import Arm, BenchConfig, PassResult, Stat, run_bench, schedule
-from edgeq.bench.worker import PassSpec, _check_paths, prompt_ids, run_pass
+from edgeq.bench.edgeq_arm import check_paths
+from edgeq.bench.records import Arm, BenchConfig, PassResult, Stat
+from edgeq.bench.schedule import run_bench, schedule
+from edgeq.bench.spec import PassSpec, prompt_ids
+from edgeq.bench.summary import summarize
+from edgeq.bench.worker import run_pass
 
 FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
 TINY_LINEARS = 4 * 7 + 1  # tiny-prose: 4 layers x (q, k, v, o, gate, up, down) + the head
@@ -245,15 +249,15 @@ def test_contradicting_paths_fail_the_pass():
         settings = S()
 
     gen = {"paths": {"prefill": {"tinygemm_decode": 29}, "decode": {"tinygemm_decode": 29}}, "native_calls": None}
-    problems = _check_paths(LM(), gen, prompt_len=512)
+    problems = check_paths(LM(), gen, prompt_len=512)
     assert any("effective decode path is native_decode" in p for p in problems)
     assert any("expected dequant_prefill" in p for p in problems)
 
 
 def test_children_run_the_parents_edgeq(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    env = bench.child_env({"X": "1"})
-    here = str(Path(bench.__file__).resolve().parents[2])  # edgeq/bench/run.py -> the directory holding edgeq/
+    env = process.child_env({"X": "1"})
+    here = str(Path(process.__file__).resolve().parents[2])  # edgeq/bench/process.py -> the directory holding edgeq/
     assert env["PYTHONPATH"].split(os.pathsep) == [here, "/elsewhere"] and env["X"] == "1"
 
 
@@ -285,7 +289,7 @@ def test_ledger_sums_to_measured_total(quantized, tmp_path):
     arm = Arm("A", str(ckpt), threads=1, kv_cache_bytes="64MiB", prefill_threshold=16)
     spec = PassSpec(checkpoint=str(ckpt), result=str(tmp_path / "A-0.result.json"), prompt_len=48, gen_len=4,
                     threads=1, kv_cache_bytes="64MiB", prefill_threshold=16)
-    r = bench.run_worker(arm, spec, tmp_path, timeout_s=900)
+    r = process.run_worker(arm, spec, tmp_path, timeout_s=900)
     assert r.ok, (r.error, r.stderr_tail)
     led = r.data["ledger"]
     assert sum(row["bytes"] for row in led["rows"]) == led["total"] == r.data["memory"]["steady"]["rss"]
@@ -303,7 +307,7 @@ def test_ledger_sums_to_measured_total(quantized, tmp_path):
     assert weights - embedding <= ck["rss_bytes"] < weights
     assert ck["anonymous_bytes"] == 0  # the mapped weights were never written (no copy-on-write)
     # inspect's projection agrees with what was allocated (same formula as the runtime)
-    summary = bench.summarize(arm, [r])
+    summary = summarize(arm, [r])
     rows = {row["category"]: row for row in summary.projection["rows"]}
     assert rows["KV cache"]["diff"] == 0 and rows["prefill scratch"]["diff"] == 0
     assert rows["weight copies (anon)"]["measured"] == 0
@@ -389,7 +393,7 @@ def test_llama_cpp_arm_runs_and_reads_settings_back(tmp_path):
     arm = Arm("G", str(gguf_path), kind="gguf", threads=1, max_model_len=256, env=(("EDGEQ_BENCH_LLAMA_REPACK", "0"),))
     spec = PassSpec(checkpoint=str(gguf_path), result=str(tmp_path / "G-0.result.json"), kind="gguf", prompt_len=16,
                     gen_len=4, threads=1, max_model_len=256)
-    r = bench.run_worker(arm, spec, tmp_path, timeout_s=600)
+    r = process.run_worker(arm, spec, tmp_path, timeout_s=600)
     assert r.ok, (r.error, r.stderr_tail)
     e = r.data["effective"]
     assert (e["n_threads"], e["n_threads_batch"], e["n_batch"]) == (1, 1, 16) and e["n_ctx"] >= 256
