@@ -7,7 +7,7 @@ import platform
 import subprocess
 import time
 
-from edgeq import cpu
+from edgeq.cpu import read as read_cpu
 
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
              "amx_int8", "amx_bf16")
@@ -19,7 +19,7 @@ def machine_info() -> dict:
     report (lscpu's model name wins: on Arm /proc/cpuinfo has none)."""
     import psutil
 
-    info = cpu.read()
+    info = read_cpu()
     model = info.model or platform.processor() or platform.machine()
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout

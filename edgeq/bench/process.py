@@ -30,9 +30,7 @@ def child_env(extra: dict | None = None) -> dict:
     """The environment of a worker or conversion child: this process's, with the directory holding *this* edgeq
     package first on PYTHONPATH, so the child runs the same code as the parent (an editable install may point at
     another checkout than the one the parent was started from)."""
-    import edgeq
-
-    root = str(Path(edgeq.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # edgeq/bench/process.py -> the directory holding edgeq/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra or {})
