@@ -181,6 +181,7 @@ def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["tie_word_embeddings"] = True
     cfg["quantization_config"]["scheme"] = "w4a16-g64"
+    cfg["quantization_config"]["kernel"] = "amx_w4a8"
     (ckpt / "config.json").write_text(json.dumps(cfg))
     man = json.loads((ckpt / "edgeq_manifest.json").read_text())
     man["tensors"]["model.norm.weight"]["shape"] = [255]
@@ -188,8 +189,17 @@ def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, tmp_path):
     p = "\n".join(inspect_checkpoint(ckpt).problems)
     assert "tie_word_embeddings is True" in p
     assert "quantization_config.scheme = 'w4a16-g64' but the manifest says 'w4a16-g128'" in p
+    assert "quantization_config.kernel = 'amx_w4a8' but the manifest says 'tinygemm_w4a16'" in p  # the file's spelling
     assert "model.norm.weight is BF16 [256] but the manifest says BF16 [255]" in p
     assert "tied embeddings stored twice" in p
+
+
+def test_every_kernel_has_inspect_checks():
+    """A Kernel member without a module in edgeq/inspect/kernels/ would make inspect refuse its checkpoints."""
+    from edgeq.inspect.kernels.base import get
+    from edgeq.keys import Kernel
+
+    assert {get(k).kernel for k in Kernel} == set(Kernel)
 
 
 # ------------------------------------------------------------------------------------------------------- --verify
