@@ -14,7 +14,7 @@ import pytest
 
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.runtime import load
-from edgeq.runtime import serve as serve_module
+from edgeq.runtime.serve import handlers as serve_handlers
 from edgeq.runtime.serve import INT64_MAX, INT64_MIN, create_app
 from test_runtime_helpers import prose_checkpoint, with_chat_template
 from test_serve import running_server
@@ -261,7 +261,7 @@ def test_internal_error_is_a_json_500_on_a_live_connection(served, monkeypatch, 
     if where == "generation":
         monkeypatch.setattr(lm, "forward", _raise(RuntimeError("boom")))
     else:
-        monkeypatch.setattr(serve_module, "encode_prompt", _raise(RuntimeError("boom")))
+        monkeypatch.setattr(serve_handlers, "encode_prompt", _raise(RuntimeError("boom")))
     conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
     try:
         conn.request("POST", CMPL, json.dumps({"prompt": "Once", "max_tokens": 2}),

@@ -1,0 +1,46 @@
+"""The FastAPI app over one loaded model: its routes (:class:`~edgeq.runtime.serve.handlers.Handlers`), its error
+answers (every error a JSON ``{"error": ...}`` body) and its worker (:class:`~edgeq.runtime.serve.engine.Engine`)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgeq.errors import EdgeqError
+from edgeq.runtime.serve.engine import Engine
+from edgeq.runtime.serve.errors import ApiError, Contain
+from edgeq.runtime.serve.handlers import Handlers
+from edgeq.runtime.sizes import parse_bytes
+
+
+def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app for a loaded model (``edgeq.runtime.load``); a model without a tokenizer is refused here,
+    before serving, rather than with an error on every request."""
+    if lm.tokenizer is None:
+        raise EdgeqError(f"{lm.path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); the server "
+                         f"needs them to read prompts and write text: copy them from the source model")
+    limit = parse_bytes(max_body_bytes, "max_body_bytes")
+    engine = Engine(lm, queue_size)
+    handlers = Handlers(lm, model_name or lm.path.name, engine, limit)
+    app = FastAPI(title="edgeq", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Contain)
+    app.state.engine = engine
+    app.router.on_shutdown.append(engine.shutdown)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.get("/health")(handlers.health)
+    app.get("/v1/models")(handlers.models)
+    app.get("/v1/models/{model_id:path}")(handlers.model)
+    app.post("/v1/completions")(handlers.completions)
+    app.post("/v1/chat/completions")(handlers.chat_completions)
+    return app
+
+
+async def _api_error(_request, exc: ApiError):
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Starlette's own errors (unknown path 404, wrong method 405) in the same JSON shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()

@@ -1,0 +1,63 @@
+"""``edgeq serve PATH``: load, bind, say where, serve."""
+
+from __future__ import annotations
+
+from edgeq.errors import EdgeqError
+from edgeq.runtime.serve.app import create_app
+
+
+def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
+                  kv_cache_bytes: str = "256MiB", queue_size: int = 8, max_body_bytes: str = "1MiB",
+                  model_name: str | None = None, strict_layout: bool = False, threads: int | None = None,
+                  as_json: bool = False, quiet: bool = False) -> None:
+    """`edgeq serve PATH`: load the checkpoint, bind, say where, and serve the OpenAI-compatible API.
+
+    The socket is bound before the startup line is printed (one line on stderr; with ``as_json`` one JSON line on
+    stdout, :func:`startup_record`), so a client that has read the line can connect, and ``--port 0`` reports the
+    port the OS chose. ``quiet`` and ``as_json`` keep uvicorn to warnings (no access log on stdout)."""
+    import uvicorn  # noqa: PLC0415
+
+    from edgeq.console import emit_line, say  # noqa: PLC0415
+    from edgeq.runtime.generation import describe_paths  # noqa: PLC0415
+    from edgeq.runtime.loader import load  # noqa: PLC0415
+
+    if queue_size < 0:
+        raise EdgeqError(f"queue_size={queue_size}: must be >= 0")
+    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads)
+    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name)
+    sock = _listen(host, port)
+    record = startup_record(lm, host, sock.getsockname()[1], model_name or lm.path.name)
+    s = lm.settings
+    if as_json:
+        emit_line(record)
+    else:
+        say(f"edgeq serve: {path} ({describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "
+            f"{s.max_cached_tokens} tokens) on {record['url']}", quiet)
+    calm = quiet or as_json
+    config = uvicorn.Config(app, host=host, port=record["port"], log_level="warning" if calm else "info",
+                            access_log=not calm)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listen(host: str, port: int):
+    """A listening TCP socket on host:port (port 0: any free port); a port in use is an EdgeqError naming --port."""
+    import socket  # noqa: PLC0415
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise EdgeqError(f"--host {host} --port {port}: cannot listen ({e.strerror}); choose another port "
+                         f"(--port 0 picks a free one) or host") from e
+
+
+def startup_record(lm, host: str, port: int, model_name: str) -> dict:
+    """``edgeq serve --json``'s first stdout line: where the server listens and what it runs."""
+    import os  # noqa: PLC0415
+
+    s = lm.settings
+    shown = f"[{host}]" if ":" in host else host
+    return {"event": "listening", "url": f"http://{shown}:{port}", "host": host, "port": port, "pid": os.getpid(),
+            "model": str(lm.path), "model_name": model_name, "scheme": s.scheme or "bf16",
+            "decode_path": s.decode_path, "prefill_path": s.prefill_path, "prefill_crossover": s.prefill_crossover,
+            "max_model_len": s.max_model_len, "max_cached_tokens": s.max_cached_tokens, "threads": s.threads}
