@@ -17,7 +17,18 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from edgeq.fidelity import core as F
+from edgeq.fidelity import checkpoints, metrics
+from edgeq.fidelity.checkpoints import check_order, run_fidelity
+from edgeq.fidelity.command import fidelity_command
+from edgeq.fidelity.metrics import position_stats, top_n_mask
+from edgeq.fidelity.reffile import load_reference_file
+from edgeq.fidelity.report import FidelityReport, render
+from edgeq.fidelity.run import compare, compare_to_reference_file, save_reference_file
+from edgeq.fidelity.stats import summarize
+from edgeq.fidelity.text import Windowing, make_windows, plan_counts
+from edgeq.fidelity.thresholds import broken_bounds
+from edgeq.fidelity.tokens import tokenizer_sha256
+from edgeq.fidelity.topk import position_stats_topk, ref_rows, worst_tail_kl
 from edgeq.keys import DATA
 from edgeq.errors import EdgeqError, ThresholdError
 from test_quantize_errors import run_cli
@@ -106,7 +117,7 @@ def test_hand_worked_kld_and_stats_match_numpy():
     quant = np.log(np.stack([[0.25] * 4, [0.4, 0.4, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4]]))
     targets = np.array([1, 0, 3])
     ref32, quant32 = (ref + 3.0).astype(np.float32), (quant - 1.0).astype(np.float32)  # logits up to a constant
-    cols = F.position_stats(torch.from_numpy(ref32), torch.from_numpy(quant32), torch.tensor(targets))
+    cols = position_stats(torch.from_numpy(ref32), torch.from_numpy(quant32), torch.tensor(targets))
     assert cols["kld"][0] == pytest.approx(math.log(2) / 4, rel=1e-6)
 
     # independent numpy reference from float32-rounded logits, float64 arithmetic
@@ -124,7 +135,7 @@ def test_hand_worked_kld_and_stats_match_numpy():
     # top-1: pos 0 ref argmax 0, quant ties -> first index 0: same; pos 1: 0 vs 0 same; pos 2: 0 vs 3 differ
     np.testing.assert_array_equal(cols["top1_same"], [1.0, 1.0, 0.0])
 
-    rep = F.summarize(cols, ctx=8, score="half", windows=1, partial=False)
+    rep = summarize(cols, ctx=8, score="half", windows=1, partial=False)
     n = 3
     # llama-perplexity's forms: se = sqrt((<x^2> - <x>^2) / (n - 1)), cov-aware ratio error
     se = lambda x: math.sqrt(((x ** 2).mean() - x.mean() ** 2) / (n - 1))
@@ -154,24 +165,24 @@ def test_hand_worked_kld_and_stats_match_numpy():
 def test_top5_overlap_counts_shared_ids():
     ref = torch.arange(8, dtype=torch.float32)[None]  # top-5 ids {7,6,5,4,3}
     quant = torch.tensor([[9.0, 8, 7, 0, 0, 0, 6, 5]])  # top-5 ids {0,1,2,6,7}: shares 6 and 7
-    cols = F.position_stats(ref, quant, torch.tensor([0]))
+    cols = position_stats(ref, quant, torch.tensor([0]))
     assert cols["top5_overlap"][0] == pytest.approx(2 / 5)
 
 
 def test_top_n_sets_break_ties_towards_low_ids():
-    m = F.top_n_mask(torch.tensor([[1.0, 3, 3, 3, 0], [5, 5, 5, 5, 5]]), 2)
+    m = top_n_mask(torch.tensor([[1.0, 3, 3, 3, 0], [5, 5, 5, 5, 5]]), 2)
     assert m.tolist() == [[False, True, True, False, False], [True, True, False, False, False]]
     # tied logits: the overlap does not depend on how torch.topk happens to order ties
     r = torch.tensor([[2.0, 1, 1, 1, 1, 1, 1, 0]])
     q = torch.tensor([[2.0, 1, 1, 1, 1, 1, 1, 0]]).flip(-1).flip(-1)
-    assert F.position_stats(r, q, torch.tensor([0]))["top5_overlap"][0] == 1.0
+    assert position_stats(r, q, torch.tensor([0]))["top5_overlap"][0] == 1.0
 
 
 def test_kld_ignores_zero_probability_entries_and_is_infinite_where_quant_has_none():
     ref = torch.tensor([[0.0, 0.0, -math.inf]])
-    same = F.position_stats(ref, ref.clone(), torch.tensor([0]))
+    same = position_stats(ref, ref.clone(), torch.tensor([0]))
     assert same["kld"][0] == 0.0
-    broken = F.position_stats(torch.tensor([[0.0, 0.0, 0.0]]), ref, torch.tensor([0]))
+    broken = position_stats(torch.tensor([[0.0, 0.0, 0.0]]), ref, torch.tensor([0]))
     assert broken["kld"][0] == math.inf
 
 
@@ -179,32 +190,32 @@ def test_position_stats_is_blockwise_invariant(monkeypatch):
     g = torch.Generator().manual_seed(3)
     r, q = torch.randn(37, V, generator=g), torch.randn(37, V, generator=g)
     t = torch.randint(0, V, (37,), generator=g)
-    whole = F.position_stats(r, q, t)
-    monkeypatch.setattr(F, "_BLOCK_ELEMENTS", 5 * V)  # 5 rows per block, last block shorter
-    blocked = F.position_stats(r, q, t)
+    whole = position_stats(r, q, t)
+    monkeypatch.setattr(metrics, "_BLOCK_ELEMENTS", 5 * V)  # 5 rows per block, last block shorter
+    blocked = position_stats(r, q, t)
     for k in whole:
         np.testing.assert_array_equal(whole[k], blocked[k])
 
 
 # --------------------------------------------------------------------------------------------------- windowing
 def test_windows_with_and_without_bos():
-    w = F.make_windows(list(range(10)), 4, bos_id=99)
+    w = make_windows(list(range(10)), 4, bos_id=99)
     assert w.tolist() == [[99, 0, 1, 2], [99, 3, 4, 5], [99, 6, 7, 8]]
-    assert F.make_windows(list(range(10)), 4, bos_id=None).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert make_windows(list(range(10)), 4, bos_id=None).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(EdgeqError, match="tokenises to 3 tokens.*--ctx 8"):
-        F.make_windows([1, 2, 3], 8, bos_id=0)
+        make_windows([1, 2, 3], 8, bos_id=0)
 
 
 def test_scored_positions_per_mode_and_max_tokens():
-    assert F.Windowing(512, "half").per_window == 255  # llama-perplexity: n_ctx - 1 - n_ctx/2
-    assert F.Windowing(512, "all").per_window == 511
-    assert F.plan_counts(4, 10, None) == [10, 10, 10, 10]
-    assert F.plan_counts(4, 10, 25) == [10, 10, 5]
-    assert F.plan_counts(2, 10, 1000) == [10, 10]
+    assert Windowing(512, "half").per_window == 255  # llama-perplexity: n_ctx - 1 - n_ctx/2
+    assert Windowing(512, "all").per_window == 511
+    assert plan_counts(4, 10, None) == [10, 10, 10, 10]
+    assert plan_counts(4, 10, 25) == [10, 10, 5]
+    assert plan_counts(2, 10, 1000) == [10, 10]
     with pytest.raises(EdgeqError, match="--score 'some'"):
-        F.Windowing(512, "some")
+        Windowing(512, "some")
     with pytest.raises(EdgeqError, match="--ctx 2"):
-        F.Windowing(2, "half")
+        Windowing(2, "half")
 
 
 def test_scores_exactly_the_second_half_of_each_window():
@@ -217,11 +228,11 @@ def test_scores_exactly_the_second_half_of_each_window():
         return logits
 
     ids = list(range(2, 2 + 7 * 3))  # bos + 7 tokens per window of 8 -> 3 windows
-    rep = F.compare(scorer, scorer, input_ids=ids, tokenizer=FakeTokenizer(WORDS), ctx=8, score="half")
+    rep = compare(scorer, scorer, input_ids=ids, tokenizer=FakeTokenizer(WORDS), ctx=8, score="half")
     assert rep.windows == 3 and rep.tokens_scored == 3 * 3  # rows 4, 5, 6 of each window
     assert [c[0, 0].item() for c in calls] == [0] * 6  # every window starts with BOS
     assert calls[0][0, 1:].tolist() == ids[:7]
-    rep_all = F.compare(scorer, scorer, input_ids=ids, tokenizer=FakeTokenizer(WORDS), ctx=8, score="all",
+    rep_all = compare(scorer, scorer, input_ids=ids, tokenizer=FakeTokenizer(WORDS), ctx=8, score="all",
                         max_tokens=10)
     assert rep_all.tokens_scored == 10 and rep_all.windows == 2
 
@@ -239,7 +250,7 @@ def test_streams_one_window_at_a_time():
         alive.append(weakref.ref(out))
         return out
 
-    rep = F.compare(scorer, scorer, text=make_text(160), tokenizer=FakeTokenizer(WORDS), ctx=32)
+    rep = compare(scorer, scorer, text=make_text(160), tokenizer=FakeTokenizer(WORDS), ctx=32)
     assert rep.windows == 5 and len(alive) == 10
 
 
@@ -247,7 +258,7 @@ def test_streams_one_window_at_a_time():
 def test_identical_models_give_zero_kld_and_full_agreement():
     model = TinyLM()
     for other in (model, copy.deepcopy(model)):
-        rep = F.compare(side(model), side(other), text=make_text(600), ctx=32)
+        rep = compare(side(model), side(other), text=make_text(600), ctx=32)
         assert rep.kld_mean == 0.0 and rep.kld_max == 0.0 and rep.kld_p999 == 0.0
         assert rep.top1_agreement == 1.0 and rep.top5_overlap == 1.0
         assert rep.ppl_ratio == 1.0 and rep.ln_ppl_ratio == 0.0
@@ -258,8 +269,8 @@ def test_identical_models_give_zero_kld_and_full_agreement():
 def test_stronger_perturbation_gives_larger_kld():
     model = TinyLM()
     text = make_text(800)
-    light = F.compare(side(model), side(quantised_copy(model, 0.02)), text=text, ctx=32)
-    strong = F.compare(side(model), side(quantised_copy(model, 0.3)), text=text, ctx=32)
+    light = compare(side(model), side(quantised_copy(model, 0.02)), text=text, ctx=32)
+    strong = compare(side(model), side(quantised_copy(model, 0.3)), text=text, ctx=32)
     assert 0 < light.kld_mean < strong.kld_mean
     assert light.kld_mean + 3 * light.kld_mean_err < strong.kld_mean - 3 * strong.kld_mean_err
     assert light.top1_agreement >= strong.top1_agreement
@@ -277,7 +288,7 @@ def test_interrupt_returns_partial_statistics():
         return model(ids).logits
 
     seen = []
-    rep = F.compare(flaky, model, text=make_text(400), tokenizer=FakeTokenizer(WORDS), ctx=32,
+    rep = compare(flaky, model, text=make_text(400), tokenizer=FakeTokenizer(WORDS), ctx=32,
                     progress=lambda d, t, eta: seen.append((d, t)))
     assert rep.partial and rep.windows == 2 and rep.tokens_scored == 2 * 15
     assert seen == [(1, 12), (2, 12)]
@@ -289,7 +300,7 @@ def test_interrupt_before_any_window_propagates():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        F.compare(scorer, scorer, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32)
+        compare(scorer, scorer, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32)
 
 
 # ------------------------------------------------------------------------------------------- vocabulary checks
@@ -297,34 +308,34 @@ def test_refuses_different_vocab_size():
     a = SimpleNamespace(model=TinyLM(), tokenizer=FakeTokenizer(WORDS), config={"vocab_size": V})
     b = SimpleNamespace(model=TinyLM(), tokenizer=FakeTokenizer(WORDS), config={"vocab_size": V + 16})
     with pytest.raises(EdgeqError, match=f"vocab size differs: reference {V}, quantised {V + 16}"):
-        F.compare(a, b, text=make_text(100), ctx=32)
+        compare(a, b, text=make_text(100), ctx=32)
 
 
 def test_refuses_ctx_beyond_the_models_positions():
     a = SimpleNamespace(model=TinyLM(), tokenizer=FakeTokenizer(WORDS), config={"max_position_embeddings": 16})
     with pytest.raises(EdgeqError, match="--ctx 32: the reference model has max_position_embeddings 16; use --ctx 16"):
-        F.compare(a, side(TinyLM()), text=make_text(100), ctx=32)
+        compare(a, side(TinyLM()), text=make_text(100), ctx=32)
 
 
 def test_refuses_different_logit_width():
     small = lambda ids: torch.zeros(1, ids.shape[1], V)
     wide = lambda ids: torch.zeros(1, ids.shape[1], V + 1)
     with pytest.raises(EdgeqError, match=f"reference model has {V} logits, the quantised model {V + 1}"):
-        F.compare(small, wide, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32)
+        compare(small, wide, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32)
 
 
 def test_refuses_tokenizer_with_a_different_token():
     other = list(WORDS)
     other[17] = "zz"
     with pytest.raises(EdgeqError, match="tokenizer differs at token id 17: reference 'w17', quantised 'zz'"):
-        F.compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(other)), text=make_text(100), ctx=32)
+        compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(other)), text=make_text(100), ctx=32)
 
 
 def test_refuses_tokenizer_of_another_size_or_bos():
     with pytest.raises(EdgeqError, match=f"reference has {V} token ids, quantised {V - 1}"):
-        F.compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(WORDS[:-1])), text=make_text(100), ctx=32)
+        compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(WORDS[:-1])), text=make_text(100), ctx=32)
     with pytest.raises(EdgeqError, match="bos_token_id is 0 in the reference, None in the quantised"):
-        F.compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(WORDS, bos=None)), text=make_text(100), ctx=32)
+        compare(side(TinyLM()), side(TinyLM(), FakeTokenizer(WORDS, bos=None)), text=make_text(100), ctx=32)
 
 
 def test_refuses_tokenizer_that_splits_the_text_differently():
@@ -336,7 +347,7 @@ def test_refuses_tokenizer_that_splits_the_text_differently():
     text = make_text(100)
     k = super(Merging, Merging(WORDS)).encode(text).index(5)
     with pytest.raises(EdgeqError, match=f"tokenises differently at token {k} \\(reference id 5"):
-        F.compare(side(TinyLM()), side(TinyLM(), Merging(WORDS)), text=text, ctx=32)
+        compare(side(TinyLM()), side(TinyLM(), Merging(WORDS)), text=text, ctx=32)
 
 
 # ----------------------------------------------------------------------------------------------- --ref files
@@ -362,10 +373,10 @@ def test_worst_tail_kl_matches_vertex_enumeration():
     for m in (1.0, 0.5, 0.4, 0.3, 0.26):
         logits = rng.normal(size=5) * 2
         logb = logits - np.log(np.exp(logits).sum())
-        got = F.worst_tail_kl(torch.tensor(logb)[None], torch.tensor([m], dtype=torch.float64))
+        got = worst_tail_kl(torch.tensor(logb)[None], torch.tensor([m], dtype=torch.float64))
         assert float(got[0]) == pytest.approx(brute_force_worst_tail(logb, m), rel=1e-9, abs=1e-12)
     # entries outside the tail (+inf) are never chosen; worked example from the docstring
-    half = F.worst_tail_kl(torch.tensor([[math.log(0.25)] * 4 + [math.inf]]), torch.tensor([0.5], dtype=torch.float64))
+    half = worst_tail_kl(torch.tensor([[math.log(0.25)] * 4 + [math.inf]]), torch.tensor([0.5], dtype=torch.float64))
     assert float(half[0]) == pytest.approx(math.log(2))
 
 
@@ -376,18 +387,18 @@ def test_topk_kld_hand_worked():
     ref = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
     quant = torch.zeros(1, 4)
     t = torch.tensor([2])
-    rows = F.ref_rows(ref, t, 2)
+    rows = ref_rows(ref, t, 2)
     assert rows.topk_ids.tolist() == [[0, 1]] and rows.top1.tolist() == [0]
     assert float(rows.tail_logmass[0]) == pytest.approx(math.log(0.25))
     assert float(rows.target_logprob[0]) == pytest.approx(math.log(0.125))
-    got = F.position_stats_topk(rows, quant, t)
+    got = position_stats_topk(rows, quant, t)
     assert got["kld"][0] == pytest.approx(math.log(2) / 4, rel=1e-6)  # float32 logits
     assert got["kld_bound"][0] == pytest.approx(math.log(2) / 4, rel=1e-6)
     assert got["tail_mass"][0] == pytest.approx(0.25)
     # a tail that is not proportional: q = (1/4, 1/4, 0.4, 0.1); exact minus kld_k = P_T KL((1/2,1/2) || (0.8,0.2))
     quant2 = torch.log(torch.tensor([[0.25, 0.25, 0.4, 0.1]]))
-    exact = F.position_stats(ref, quant2, t)["kld"][0]
-    approx = F.position_stats_topk(rows, quant2, t)
+    exact = position_stats(ref, quant2, t)["kld"][0]
+    approx = position_stats_topk(rows, quant2, t)
     cond = 0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2)
     assert exact - approx["kld"][0] == pytest.approx(0.25 * cond, rel=1e-6)
     assert approx["kld_bound"][0] == pytest.approx(0.25 * math.log(1 / 0.2), rel=1e-6)  # all tail mass on q=0.1
@@ -404,9 +415,9 @@ def test_topk_kld_is_a_lower_bound_within_the_stated_bound():
         else:
             q = r + scale * torch.randn(S, Vb, generator=g)
         t = torch.randint(0, Vb, (S,), generator=g)
-        full = F.position_stats(r, q, t)
+        full = position_stats(r, q, t)
         for k in (5, 12, Vb):
-            approx = F.position_stats_topk(F.ref_rows(r, t, k), q, t)
+            approx = position_stats_topk(ref_rows(r, t, k), q, t)
             short = full["kld"] - approx["kld"]
             assert (short >= -1e-12).all()
             assert (short <= approx["kld_bound"] + 1e-12).all()
@@ -422,8 +433,8 @@ def test_ref_file_round_trip_reproduces_the_full_comparison(tmp_path):
     quant = quantised_copy(model, 0.1)
     text = make_text(700)
     path = tmp_path / "ref.safetensors"
-    full = F.compare(side(model), side(quant), text=text, ctx=32, save_ref=path, ref_topk=8)
-    cached = F.compare_to_reference_file(path, side(quant), text=text)
+    full = compare(side(model), side(quant), text=text, ctx=32, save_ref=path, ref_topk=8)
+    cached = compare_to_reference_file(path, side(quant), text=text)
     assert cached.ref_topk == 8 and cached.windows == full.windows and cached.tokens_scored == full.tokens_scored
     for name in ("ppl_ref", "ppl_quant", "ppl_ratio", "ln_ppl_ratio_err", "top1_agreement", "top5_overlap",
                  "delta_p_rms", "delta_p_rms_err"):
@@ -432,20 +443,20 @@ def test_ref_file_round_trip_reproduces_the_full_comparison(tmp_path):
     assert full.kld_mean - cached.kld_mean <= cached.kld_topk_bound
     assert 0 < cached.ref_tail_mass < 1
     # the same model against its own cache: KLD exactly 0, no shortfall
-    self_cmp = F.compare_to_reference_file(path, side(model))
+    self_cmp = compare_to_reference_file(path, side(model))
     assert self_cmp.kld_mean == 0.0 and self_cmp.top1_agreement == 1.0 and self_cmp.kld_max == 0.0
     # --max-tokens takes a prefix of the cached positions
-    assert F.compare_to_reference_file(path, side(quant), max_tokens=20).tokens_scored == 20
+    assert compare_to_reference_file(path, side(quant), max_tokens=20).tokens_scored == 20
 
 
 def test_save_reference_alone_matches(tmp_path):
     model = TinyLM()
     text = make_text(300)
     path = tmp_path / "r.safetensors"
-    n, ppl = F.save_reference_file(side(model), path, text=text, ctx=32, k=6)
-    full = F.compare(side(model), side(model), text=text, ctx=32)
+    n, ppl = save_reference_file(side(model), path, text=text, ctx=32, k=6)
+    full = compare(side(model), side(model), text=text, ctx=32)
     assert n == full.tokens_scored and ppl == pytest.approx(full.ppl_ref, rel=1e-12)
-    ref = F.load_reference_file(path)
+    ref = load_reference_file(path)
     h = ref.header
     assert (h["format"], h["ctx"], h["score"], h["k"], h["vocab_size"], h["bos_id"]) == \
            ("edgeq.fidelity-ref/1", 32, "half", 6, V, 0)
@@ -455,15 +466,15 @@ def test_save_reference_alone_matches(tmp_path):
 
 def test_truncated_ref_file_is_refused(tmp_path):
     path = tmp_path / "ref.safetensors"
-    F.save_reference_file(side(TinyLM()), path, text=make_text(300), ctx=32)
+    save_reference_file(side(TinyLM()), path, text=make_text(300), ctx=32)
     data = path.read_bytes()
     for cut in (len(data) - 100, 40, 3):
         bad = tmp_path / f"cut{cut}.safetensors"
         bad.write_bytes(data[:cut])
         with pytest.raises(EdgeqError, match=f"{bad}: unreadable or truncated reference file .*--save-ref"):
-            F.compare_to_reference_file(bad, side(TinyLM()))
+            compare_to_reference_file(bad, side(TinyLM()))
     with pytest.raises(EdgeqError, match="reference file not found"):
-        F.compare_to_reference_file(tmp_path / "nope", side(TinyLM()))
+        compare_to_reference_file(tmp_path / "nope", side(TinyLM()))
 
 
 def test_mismatched_ref_file_is_refused(tmp_path):
@@ -471,24 +482,24 @@ def test_mismatched_ref_file_is_refused(tmp_path):
 
     text = make_text(300)
     path = tmp_path / "ref.safetensors"
-    F.save_reference_file(side(TinyLM()), path, text=text, ctx=32)
+    save_reference_file(side(TinyLM()), path, text=text, ctx=32)
     with pytest.raises(EdgeqError, match=f"{path}: made from another text"):
-        F.compare_to_reference_file(path, side(TinyLM()), text=make_text(300, seed=1))
+        compare_to_reference_file(path, side(TinyLM()), text=make_text(300, seed=1))
     with pytest.raises(EdgeqError, match="made with --ctx 32, asked for --ctx 64"):
-        F.compare_to_reference_file(path, side(TinyLM()), ctx=64)
+        compare_to_reference_file(path, side(TinyLM()), ctx=64)
     with pytest.raises(EdgeqError, match="made with --score half, asked for --score all"):
-        F.compare_to_reference_file(path, side(TinyLM()), score="all")
+        compare_to_reference_file(path, side(TinyLM()), score="all")
     other = list(WORDS)
     other[3] = "x"
     with pytest.raises(EdgeqError, match="made with a different tokenizer"):
-        F.compare_to_reference_file(path, side(TinyLM(), FakeTokenizer(other)))
+        compare_to_reference_file(path, side(TinyLM(), FakeTokenizer(other)))
     wide = lambda ids: torch.zeros(1, ids.shape[1], V + 2)
     with pytest.raises(EdgeqError, match=f"reference file was made with {V} logits, the quantised model has {V + 2}"):
-        F.compare_to_reference_file(path, wide)
+        compare_to_reference_file(path, wide)
     plain = tmp_path / "plain.safetensors"
     save_file({"x": torch.zeros(2)}, str(plain))
     with pytest.raises(EdgeqError, match="not an edgeq fidelity reference file"):
-        F.compare_to_reference_file(plain, side(TinyLM()))
+        compare_to_reference_file(plain, side(TinyLM()))
 
 
 # --------------------------------------------------------------------------------------------------- per-layer
@@ -513,10 +524,10 @@ def test_per_layer_relative_errors_match_direct_computation():
     names = ("body.fc1", "body.fc2", "head")
     quant = quantised_copy(model, 0.1, names=("body.fc1", "head"))  # fc2 stays a plain Linear
     text = make_text(400)
-    rep = F.compare(side(model), side(quant), text=text, ctx=32, per_layer=True, top=10)
+    rep = compare(side(model), side(quant), text=text, ctx=32, per_layer=True, top=10)
     assert rep.per_layer_count == 2 and {e.name for e in rep.per_layer} == {"body.fc1", "head"}
     assert [e.rel_err for e in rep.per_layer] == sorted((e.rel_err for e in rep.per_layer), reverse=True)
-    windows = F.make_windows(FakeTokenizer(WORDS).encode(text), 32, 0)
+    windows = make_windows(FakeTokenizer(WORDS).encode(text), 32, 0)
     direct = direct_layer_errors(model, quant, windows, 16, names)
     got = {e.name: e for e in rep.per_layer}
     for n in ("body.fc1", "head"):
@@ -535,7 +546,7 @@ def test_per_layer_relative_errors_match_direct_computation():
     assert got["head"].local_rel_err == pytest.approx(local, rel=1e-5)
     assert got["head"].local_rel_err != pytest.approx(got["head"].rel_err, rel=1e-3)
     assert direct["body.fc2"] > 0  # fc2 is perturbed downstream but is not reported: it is not quantised
-    assert len(F.compare(side(model), side(quant), text=text, ctx=32, per_layer=True, top=1).per_layer) == 1
+    assert len(compare(side(model), side(quant), text=text, ctx=32, per_layer=True, top=1).per_layer) == 1
     # hooks are removed afterwards
     assert not quant.head._forward_hooks and not model.head._forward_hooks
 
@@ -554,8 +565,8 @@ def test_interrupt_keeps_per_layer_and_token_statistics_consistent():
     model = Interrupting()
     quant = quantised_copy(TinyLM(), 0.1)  # same seed, same weights; a plain TinyLM that never interrupts
     text = make_text(400)
-    cut = F.compare(side(model), side(quant), text=text, ctx=32, per_layer=True)
-    clean = F.compare(side(TinyLM()), side(quant), text=text, ctx=32, per_layer=True, max_tokens=2 * 15)
+    cut = compare(side(model), side(quant), text=text, ctx=32, per_layer=True)
+    clean = compare(side(TinyLM()), side(quant), text=text, ctx=32, per_layer=True, max_tokens=2 * 15)
     assert cut.partial and cut.windows == 2 and not clean.partial
     assert cut.kld_mean == clean.kld_mean
     assert [(e.name, e.rel_err, e.local_rel_err) for e in cut.per_layer] == \
@@ -565,33 +576,33 @@ def test_interrupt_keeps_per_layer_and_token_statistics_consistent():
 def test_per_layer_refusals():
     model = TinyLM()
     with pytest.raises(EdgeqError, match="no module marked edgeq_quantized"):
-        F.compare(side(model), side(copy.deepcopy(model)), text=make_text(100), ctx=32, per_layer=True)
+        compare(side(model), side(copy.deepcopy(model)), text=make_text(100), ctx=32, per_layer=True)
     renamed = quantised_copy(model, 0.1, names=("head",))
     renamed.out = renamed.head
     del renamed.head
     renamed.forward = lambda input_ids: SimpleNamespace(logits=renamed.out(renamed.embed(input_ids)))
     with pytest.raises(EdgeqError, match="quantised module out has no same-named module in the reference"):
-        F.compare(side(model), side(renamed), text=make_text(100), ctx=32, per_layer=True)
+        compare(side(model), side(renamed), text=make_text(100), ctx=32, per_layer=True)
     with pytest.raises(EdgeqError, match="needs both models as nn.Modules"):
-        F.compare(model, lambda ids: model(ids).logits, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32,
+        compare(model, lambda ids: model(ids).logits, text=make_text(100), tokenizer=FakeTokenizer(WORDS), ctx=32,
                   per_layer=True)
 
 
 # ------------------------------------------------------------------------------------------- thresholds, JSON
-def report_for(kld=0.01, top1=0.95, ratio=1.01) -> F.FidelityReport:
-    rep = F.compare(side(TinyLM()), side(TinyLM()), text=make_text(200), ctx=32)
-    return F.FidelityReport(**{**rep.__dict__, "kld_mean": kld, "top1_agreement": top1, "ppl_ratio": ratio})
+def report_for(kld=0.01, top1=0.95, ratio=1.01) -> FidelityReport:
+    rep = compare(side(TinyLM()), side(TinyLM()), text=make_text(200), ctx=32)
+    return FidelityReport(**{**rep.__dict__, "kld_mean": kld, "top1_agreement": top1, "ppl_ratio": ratio})
 
 
 def test_thresholds_name_the_broken_bound():
     rep = report_for()
-    assert F.broken_bounds(rep) == []
-    assert F.broken_bounds(rep, max_kld=0.02, min_top1=0.9, max_ppl_ratio=1.02) == []
-    assert F.broken_bounds(rep, max_kld=0.005) == ["mean KLD 0.01 > --max-kld 0.005"]
-    assert F.broken_bounds(rep, min_top1=0.99) == ["same top-1 0.95 < --min-top1 0.99"]
-    assert F.broken_bounds(rep, max_ppl_ratio=1.001) == ["PPL ratio 1.01 > --max-ppl-ratio 1.001"]
-    assert len(F.broken_bounds(rep, max_kld=0.0, min_top1=1.0, max_ppl_ratio=1.0)) == 3
-    assert F.broken_bounds(report_for(kld=math.nan), max_kld=1.0) == ["mean KLD nan > --max-kld 1"]
+    assert broken_bounds(rep) == []
+    assert broken_bounds(rep, max_kld=0.02, min_top1=0.9, max_ppl_ratio=1.02) == []
+    assert broken_bounds(rep, max_kld=0.005) == ["mean KLD 0.01 > --max-kld 0.005"]
+    assert broken_bounds(rep, min_top1=0.99) == ["same top-1 0.95 < --min-top1 0.99"]
+    assert broken_bounds(rep, max_ppl_ratio=1.001) == ["PPL ratio 1.01 > --max-ppl-ratio 1.001"]
+    assert len(broken_bounds(rep, max_kld=0.0, min_top1=1.0, max_ppl_ratio=1.0)) == 3
+    assert broken_bounds(report_for(kld=math.nan), max_kld=1.0) == ["mean KLD nan > --max-kld 1"]
 
 
 NUM, OPT, INT_OPT = float, (float, type(None)), (int, type(None))
@@ -612,9 +623,9 @@ GOLDEN_SCHEMA = [  # key order and value types of edgeq.fidelity/1 (docs/fidelit
 def test_json_schema_golden(tmp_path):
     model, quant = TinyLM(), quantised_copy(TinyLM(), 0.1)
     text = make_text(300)
-    full = json.loads(F.compare(side(model), side(quant), text=text, ctx=32, per_layer=True,
+    full = json.loads(compare(side(model), side(quant), text=text, ctx=32, per_layer=True,
                                 save_ref=tmp_path / "r").to_json())
-    cached = json.loads(F.compare_to_reference_file(tmp_path / "r", side(quant)).to_json())
+    cached = json.loads(compare_to_reference_file(tmp_path / "r", side(quant)).to_json())
     for d in (full, cached):
         assert list(d) == [k for k, _ in GOLDEN_SCHEMA]
         for k, t in GOLDEN_SCHEMA:
@@ -625,17 +636,17 @@ def test_json_schema_golden(tmp_path):
     assert [list(e) for e in full["per_layer"]] == [["name", "rel_err", "local_rel_err"]] * 3
     assert isinstance(full["nll_correlation"], float) and isinstance(full["kld_mean_err"], float)
     # non-finite values become null so that the output is strict JSON
-    inf = F.FidelityReport(**{**F.compare(side(model), side(quant), text=text, ctx=32).__dict__, "kld_max": math.inf})
+    inf = FidelityReport(**{**compare(side(model), side(quant), text=text, ctx=32).__dict__, "kld_max": math.inf})
     assert json.loads(inf.to_json())["kld_max"] is None
 
 
 def test_render_is_a_compact_table():
     from rich.console import Console
 
-    rep = F.compare(side(TinyLM()), side(quantised_copy(TinyLM(), 0.1)), text=make_text(300), ctx=32,
+    rep = compare(side(TinyLM()), side(quantised_copy(TinyLM(), 0.1)), text=make_text(300), ctx=32,
                     per_layer=True)
     con = Console(width=100, record=True)
-    con.print(F.render(rep, top=2))
+    con.print(render(rep, top=2))
     out = con.export_text()
     for needle in ("PPL(quant)/PPL(ref)", "mean KLD", "same top-1", "RMS Δp", "worst 2 of 3"):
         assert needle in out, needle
@@ -650,14 +661,14 @@ def cli(monkeypatch, tmp_path):
     model = TinyLM()
     models = {"ref": model, "same": copy.deepcopy(model), "light": quantised_copy(model, 0.02),
               "heavy": quantised_copy(model, 0.5)}
-    monkeypatch.setattr(F, "_default_load", lambda p: side(models[Path(p).name]))
+    monkeypatch.setattr(checkpoints, "_default_load", lambda p: side(models[Path(p).name]))
     monkeypatch.chdir(tmp_path)  # the checkpoints are local directories (else they would be looked up on the hub)
     for name in models:
         (tmp_path / name).mkdir()
     text = tmp_path / "t.txt"
     text.write_text(make_text(500))
     app = typer.Typer()
-    app.command()(F.fidelity_command)
+    app.command()(fidelity_command)
     app.command("noop")(lambda: None)  # two commands so that the app takes the command name, like the real CLI
     runner = CliRunner()
     return lambda *args: runner.invoke(app, ["fidelity-command", *args, "--text", str(text), "--ctx", "32"])
@@ -718,14 +729,14 @@ def test_order_check_takes_two_edgeq_or_two_plain_checkpoints_as_given(tmp_path)
         (tmp_path / name).mkdir()
     (tmp_path / "q" / "edgeq_manifest.json").write_text("{}")
     (tmp_path / "b" / "edgeq_manifest.json").write_text("{}")
-    F.check_order(tmp_path / "a", tmp_path / "q")  # the right order
-    F.check_order(tmp_path / "b", tmp_path / "q")  # two edgeq checkpoints (e.g. two schemes)
-    F.check_order(tmp_path / "a", tmp_path / "a")  # two plain ones
-    F.check_order(tmp_path / "q", tmp_path / "a", allow_swapped=True)
+    check_order(tmp_path / "a", tmp_path / "q")  # the right order
+    check_order(tmp_path / "b", tmp_path / "q")  # two edgeq checkpoints (e.g. two schemes)
+    check_order(tmp_path / "a", tmp_path / "a")  # two plain ones
+    check_order(tmp_path / "q", tmp_path / "a", allow_swapped=True)
     with pytest.raises(EdgeqError, match="the order is REF QUANT"):
-        F.check_order(tmp_path / "q", tmp_path / "a")
+        check_order(tmp_path / "q", tmp_path / "a")
     with pytest.raises(EdgeqError, match="the order is REF QUANT"):  # the API refuses too, before loading anything
-        F.run_fidelity(tmp_path / "q", tmp_path / "a", load_fn=lambda p: pytest.fail("loaded"))
+        run_fidelity(tmp_path / "q", tmp_path / "a", load_fn=lambda p: pytest.fail("loaded"))
 
 
 # ------------------------------------------------------------------------------------------- transformers path
@@ -739,12 +750,12 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).eval()
     a = SimpleNamespace(model=model, tokenizer=tok)
-    rep = F.compare(a, a, ctx=64, max_tokens=100)
+    rep = compare(a, a, ctx=64, max_tokens=100)
     assert rep.tokens_scored == 100 and rep.kld_mean == 0.0 and rep.top1_agreement == 1.0
     # the same numbers from a scorer that returns all logits (no logits_to_keep)
-    full = F.compare(lambda ids: model(input_ids=ids).logits, model, tokenizer=tok, ctx=64, max_tokens=100)
+    full = compare(lambda ids: model(input_ids=ids).logits, model, tokenizer=tok, ctx=64, max_tokens=100)
     assert full.ppl_ref == pytest.approx(rep.ppl_ref, rel=1e-5) and full.kld_mean < 1e-9
-    assert F.tokenizer_sha256(tok) == F.tokenizer_sha256(AutoTokenizer.from_pretrained(
+    assert tokenizer_sha256(tok) == tokenizer_sha256(AutoTokenizer.from_pretrained(
         DATA / "tiny-prose"))
 
 
@@ -752,11 +763,11 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
 @pytest.mark.slow
 def test_end_to_end_on_the_bundled_model(fixture_model, fixture_quantized, tmp_path):
     """edgeq.runtime.load on both sides: the bf16 reference against itself and against its w4a16-g128 checkpoint."""
-    same = F.run_fidelity(fixture_model, fixture_model, ctx=128, max_tokens=63)
+    same = run_fidelity(fixture_model, fixture_model, ctx=128, max_tokens=63)
     assert same.kld_mean == 0.0 and same.top1_agreement == 1.0 and same.tokens_scored == 63
 
     ref_file = tmp_path / "ref.safetensors"
-    rep = F.run_fidelity(fixture_model, fixture_quantized, ctx=128, max_tokens=200, per_layer=True, top=40,
+    rep = run_fidelity(fixture_model, fixture_quantized, ctx=128, max_tokens=200, per_layer=True, top=40,
                          save_ref=ref_file)
     assert rep.tokens_scored == 200 and rep.windows == 4 and not rep.partial
     # a real 4-bit model of this size: measurably different, still the same model
@@ -768,7 +779,7 @@ def test_end_to_end_on_the_bundled_model(fixture_model, fixture_quantized, tmp_p
     assert "lm_head" in names and "model.layers.0.mlp.down_proj" in names
     assert all(0 < e.rel_err < 0.5 and 0 < e.local_rel_err < 0.5 for e in rep.per_layer)
 
-    cached = F.run_fidelity(None, fixture_quantized, ref_file=ref_file)
+    cached = run_fidelity(None, fixture_quantized, ref_file=ref_file)
     for name in ("ppl_ref", "ppl_quant", "top1_agreement", "top5_overlap", "delta_p_rms"):
         assert getattr(cached, name) == pytest.approx(getattr(rep, name), rel=1e-9), name
     assert cached.kld_mean <= rep.kld_mean <= cached.kld_mean + cached.kld_topk_bound
