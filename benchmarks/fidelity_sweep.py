@@ -19,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from edgeq.fidelity import core as F
+from edgeq import fidelity as F
 from edgeq.convert.pipeline import convert
+from edgeq.keys import DATA
 from edgeq.runtime import load
 from edgeq.scheme import Scheme
 
-FIXTURE = Path(F.__file__).parent / "data" / "tiny-prose"
+FIXTURE = DATA / "tiny-prose"
 
 
 def pm(v: float, e: float | None, fmt: str) -> str:

@@ -4,7 +4,7 @@
     python benchmarks/quality_table.py --arms default,rtn-g128 --max-tokens 2000   # a quick look
     python benchmarks/quality_table.py --llama-sdist /tmp/llamadl/llama_cpp_python-0.3.36.tar.gz
 
-Every arm is scored by :func:`edgeq.fidelity.core.compare` against the same bf16 reference (``edgeq.runtime.load`` of
+Every arm is scored by :func:`edgeq.fidelity.compare` against the same bf16 reference (``edgeq.runtime.load`` of
 edgeq/data/tiny-prose) on the same windows of the bundled held-out text (ctx 512, second half of each window
 scored). "bytes" is the same sum for every arm: the quantised linears + the head + the embedding table(s) (edgeq: the
 ``qweight``/``scales_and_zeros``/``perm`` tensors and the bf16 embedding, from the manifest; llama.cpp: the GGUF's
@@ -28,13 +28,14 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from edgeq.fidelity import core as F
+from edgeq import fidelity as F
 from edgeq.convert.recipe import find_recipe
 from edgeq.convert.pipeline import GPTQOptions, convert
+from edgeq.keys import DATA
 from edgeq.runtime import load
 from edgeq.scheme import Scheme
 
-FIXTURE = Path(F.__file__).parent / "data" / "tiny-prose"
+FIXTURE = DATA / "tiny-prose"
 # label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes) or "uniform" (the same, without))
 EDGEQ_ARMS = {
     "default": ("w4a16-g128", None, "family"),
@@ -122,7 +123,7 @@ def quantize_gguf(src: Path, out: Path, ftype: str) -> None:
 
 
 class LlamaScorer:
-    """A scoring function for :func:`edgeq.fidelity.core.compare`: llama.cpp's logits for exactly the given token ids."""
+    """A scoring function for :func:`edgeq.fidelity.compare`: llama.cpp's logits for exactly the given token ids."""
 
     def __init__(self, path: Path, ctx: int):
         import llama_cpp as L
