@@ -3,7 +3,7 @@
 Every question about the machine's ISA goes through here (the router's device class, the W4A8 backend choice, the
 bench's machine record, the tinygemm layout's fingerprint). Two exceptions, each with its reason: the native
 kernels ask their own compiled ``cpu_features`` op (CPUID plus the Linux AMX permission, which no file shows), and
-``ATEN_CPU_CAPABILITY`` is honoured by :func:`capability` because torch itself honours it.
+``ATEN_CPU_CAPABILITY`` reaches :func:`capability` through torch, which honours it.
 
     >>> from edgeq import cpu
     >>> "avx2" in cpu.flags(), cpu.capability()          # on a Zen 4
@@ -61,8 +61,8 @@ def has_vnni() -> bool:
 
 
 def capability() -> str:
-    """The ISA torch dispatches its kernels to (``AVX512``, ``AVX2``, ``DEFAULT``), ``$ATEN_CPU_CAPABILITY`` first:
-    torch honours that variable, and the tinygemm layout depends on it."""
+    """The ISA torch dispatches its kernels to, as torch spells it (``AVX512``, ``AVX2``, ``DEFAULT``): torch reads
+    ``$ATEN_CPU_CAPABILITY`` itself at start-up (ignoring a value it does not know), so this is what really runs."""
     import torch  # noqa: PLC0415 (importing edgeq.cpu must stay cheap)
 
-    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+    return torch.backends.cpu.get_cpu_capability()
