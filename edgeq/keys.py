@@ -16,6 +16,7 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
+VERSION = "0.1.0"  # edgeq's own version (edgeq.__version__; pyproject.toml says the same, tested)
 FORMAT_VERSION = 1  # the manifest's format_version; a reader refuses any other
 
 # file names in an edgeq checkpoint directory
