@@ -131,9 +131,9 @@ def test_sigkill_leftover_is_removed_by_the_next_run(tmp_path, capsys):
 
 
 def test_sigterm_during_the_final_rename_is_held_until_it_is_done(model, tmp_path, capsys, monkeypatch):
-    from edgeq.io import safetensors as safetensors_io
+    from edgeq.io import writer
 
-    real = safetensors_io.replace_dir
+    real = writer.replace_dir
     calls = []
 
     def signalled(tmp, out):
@@ -141,7 +141,7 @@ def test_sigterm_during_the_final_rename_is_held_until_it_is_done(model, tmp_pat
         calls.append(out)
         real(tmp, out)
 
-    monkeypatch.setattr(safetensors_io, "replace_dir", signalled)
+    monkeypatch.setattr(writer, "replace_dir", signalled)
     old_handler = signal.getsignal(signal.SIGTERM)
     code, _, err = run_cli(["quantize", str(model), "-o", str(tmp_path / "out"), "-q"], capsys)
     assert code == 0 and calls == [tmp_path / "out"], err

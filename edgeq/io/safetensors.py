@@ -7,7 +7,7 @@ section) plus an optional ``"__metadata__"`` dict of strings.
 Why not ``safe_open`` for conversion: it memory-maps the file, and every page it touches then counts in the
 converting process's RSS (file-backed) until unmapped, so peak RSS would grow with the model. Positioned reads
 (``readinto``) into a small buffer keep the conversion's resident memory bounded by one row block. The runtime, which
-*wants* the mapping, uses mmap (see edgeq/runtime).
+*wants* the mapping, maps the files whose headers :func:`parse_header` validated (edgeq.io.mapped).
 
 Every header is checked before any data is trusted: length within the file, valid JSON, known dtypes, shapes
 consistent with byte ranges, ranges inside the file and not overlapping. Each failure names the file and, where
@@ -19,15 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from edgeq.io.writer import temp_dir
 from edgeq.errors import EdgeqError
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -83,8 +80,33 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class Header:
+    """One file's validated header: its tensors in header order, its metadata, where the data section starts and
+    the file's size. E.g. a file holding one BF16 [2, 3] tensor after a 56-byte header: ``data_start`` 64, the
+    tensor's ``start`` 64 and ``nbytes`` 12, ``data_end`` 76, and ``size`` 76 unless bytes follow the data."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int
+    size: int
+
+    @property
+    def data_end(self) -> int:
+        """The absolute offset where the last tensor's bytes end (``data_start`` when there are none)."""
+        return max((t.start + t.nbytes for t in self.tensors.values()), default=self.data_start)
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header without reading tensor data; returns (tensors, metadata)."""
+    header = parse_header(path)
+    return header.tensors, header.metadata
+
+
+def parse_header(path: Path) -> Header:
+    """:func:`read_header`, also returning where the data starts and the file's size (the runtime checks that the
+    file ends where its data does)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -117,7 +139,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     for (_, e0, a), (b1, _, b) in zip(spans, spans[1:]):
         if b1 < e0:
             raise EdgeqError(f"{path}: corrupt safetensors header (tensors {a} and {b} overlap)")
-    return tensors, {str(k): str(v) for k, v in meta.items()}
+    return Header(path, tensors, {str(k): str(v) for k, v in meta.items()}, data_start, size)
 
 
 def _entry(path: Path, name: str, entry: object, data_start: int, data_size: int) -> TensorInfo:
@@ -279,42 +301,3 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a finished directory into place, durably.
-
-    Every file under ``tmp`` and ``tmp`` itself are fsynced before the rename and the parent directory after it, so
-    once this returns a power loss cannot bring back a missing or half-written ``out`` (rename alone orders nothing
-    on disk: ext4/xfs may persist the new name before the data). An existing ``out`` is renamed aside to
-    ``.OUT.edgeq-old-PID`` first and removed only after the new one is in place; a process killed in between
-    leaves it there, and the next writer of ``out`` puts it back (edgeq.io.writer.remove_stale)."""
-    fsync_tree(tmp)
-    old = None
-    if out.exists() or out.is_symlink():
-        old = temp_dir(out, "old")
-        out.rename(old)
-    tmp.rename(out)
-    fsync_path(out.parent)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()  # --force over a file (or a symlink: the link goes, never its target)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root``, then ``root``: their data and names reach the disk."""
-    for p in sorted(Path(root).rglob("*"), key=lambda p: -len(p.parts)):
-        if p.is_file() or p.is_dir():
-            fsync_path(p)
-    fsync_path(root)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file (its data) or a directory (its entries: names created or renamed in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

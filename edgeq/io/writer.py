@@ -5,9 +5,9 @@
 - :func:`staging`: the output is built in a hidden sibling ``.OUT.edgeq-KIND-PID`` (KIND ``tmp`` for quantize,
   ``repack`` for repack); while it exists SIGTERM (what ``timeout``, ``docker stop`` and systemd send) raises
   KeyboardInterrupt exactly like SIGINT, so both take the same cleanup path (the CLI exits 2, "interrupted"). The
-  previous handlers are restored afterwards. The rename into place
-  (:func:`edgeq.io.safetensors.replace_dir`, which fsyncs) runs with SIGINT/SIGTERM held, so an interrupt
-  cannot tear it; one that arrives meanwhile is reported and dropped, because the output is complete by then.
+  previous handlers are restored afterwards. The rename into place (:func:`replace_dir`: every file fsynced before
+  it, the parent directory after it) runs with SIGINT/SIGTERM held, so an interrupt cannot tear it; one that arrives
+  meanwhile is reported and dropped, because the output is complete by then.
 - :func:`remove_stale`: SIGKILL (and power loss) runs no cleanup, so every writer first looks for siblings of its
   own output named ``.OUT.edgeq-{tmp,repack,old}-PID`` whose PID is not a running process here, and removes them
   (an ``old`` one, the previous output set aside by a replacement that died half-way, is put back when ``OUT`` is
@@ -33,7 +33,7 @@ _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 def say(message: str) -> None:
     """One line on stderr, also under -q and --json (what a writer removed or restored, a warning about its output)."""
-    from edgeq.console import err  # noqa: PLC0415 (everything edgeq prints goes through cli_output)
+    from edgeq.console import err  # noqa: PLC0415 (everything edgeq prints goes through edgeq.console)
 
     err.print(message, markup=False, highlight=False, soft_wrap=True)
 
@@ -128,10 +128,8 @@ def _interrupts() -> Iterator[_Guard]:
 @contextmanager
 def staging(out: Path, kind: str) -> Iterator[Path]:
     """Yield a fresh temporary sibling of ``out`` to write into; when the block ends normally, rename it into place
-    (:func:`~edgeq.io.safetensors.replace_dir`, fsynced) with interrupts held, so the commit is never torn.
-    On any exception (KeyboardInterrupt from SIGINT or SIGTERM included) the directory is removed."""
-    from edgeq.io.safetensors import replace_dir  # noqa: PLC0415 (safetensors_io imports this module)
-
+    (:func:`replace_dir`, fsynced) with interrupts held, so the commit is never torn. On any exception
+    (KeyboardInterrupt from SIGINT or SIGTERM included) the directory is removed."""
     tmp = temp_dir(out, kind)
     shutil.rmtree(tmp, ignore_errors=True)  # this PID's own leftover (a container restart reuses PIDs)
     with _interrupts() as guard:
@@ -145,3 +143,42 @@ def staging(out: Path, kind: str) -> Iterator[Path]:
             raise
     if guard.pending is not None:
         say(f"{signal.Signals(guard.pending).name} arrived during the final rename; {out} is complete")
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished directory into place, durably.
+
+    Every file under ``tmp`` and ``tmp`` itself are fsynced before the rename and the parent directory after it, so
+    once this returns a power loss cannot bring back a missing or half-written ``out`` (rename alone orders nothing
+    on disk: ext4/xfs may persist the new name before the data). An existing ``out`` is renamed aside to
+    ``.OUT.edgeq-old-PID`` first and removed only after the new one is in place; a process killed in between
+    leaves it there, and the next writer of ``out`` puts it back (:func:`remove_stale`)."""
+    fsync_tree(tmp)
+    old = None
+    if out.exists() or out.is_symlink():
+        old = temp_dir(out, "old")
+        out.rename(old)
+    tmp.rename(out)
+    fsync_path(out.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()  # --force over a file (or a symlink: the link goes, never its target)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``, then ``root``: their data and names reach the disk."""
+    for p in sorted(Path(root).rglob("*"), key=lambda p: -len(p.parts)):
+        if p.is_file() or p.is_dir():
+            fsync_path(p)
+    fsync_path(root)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file (its data) or a directory (its entries: names created or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
