@@ -1,10 +1,10 @@
 """edgeq's own safetensors code against the safetensors package, both directions, every dtype.
 
-edgeq has two parsers of the format (edgeq.io.safetensors for conversion and inspect: positioned reads;
-edgeq.io.mapped for the runtime: a private mmap) and one writer (safetensors_io.ShardedWriter). Each is checked
-here against the reference implementation: what safetensors writes, both parsers read to the same bits; what edgeq
-writes, safetensors reads to the same bits; and on fuzzed headers, whatever safetensors accepts both parsers accept
-with the same dtype, shape and byte range, while edgeq's errors stay EdgeqError.
+edgeq has one parser of the format (edgeq.io.safetensors) behind two readers (its positioned reads for conversion
+and inspect; edgeq.io.mapped for the runtime: a private mmap) and one writer (edgeq.io.safetensors.ShardedWriter).
+Each is checked here against the reference implementation: what safetensors writes, both readers read to the same
+bits; what edgeq writes, safetensors reads to the same bits; and on fuzzed headers, whatever safetensors accepts both
+readers accept with the same dtype, shape and byte range, while edgeq's errors stay EdgeqError.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def test_edgeq_knows_every_dtype_safetensors_reads_into_torch():
     assert theirs, "safetensors.torch no longer lists its dtypes in _TYPES; update this test"
     assert theirs <= set(io.DTYPES), f"edgeq lacks {sorted(theirs - set(io.DTYPES))}"
     assert {"U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0"} <= set(io.DTYPES)
-    # the runtime's parser has the same table (two parsers today; one table each)
-    assert {k: v[0] for k, v in io.DTYPES.items()} == weights.DTYPES
+    # one table: the runtime indexes its shards with the same parser (no table of its own to drift)
+    assert not hasattr(weights, "DTYPES") and weights.parse_header is io.parse_header
 
 
 def test_edgeq_reads_what_safetensors_writes(tmp_path):
@@ -109,6 +109,43 @@ def test_sub_byte_dtypes_are_refused_by_name(tmp_path):
     with pytest.raises(EdgeqError, match="tensor w: unsupported dtype 'F4'"):
         io.read_header(tmp_path / "model.safetensors")
     with pytest.raises(EdgeqError, match="F4"):
+        weights.MappedFiles(tmp_path)
+
+
+def _raw_file(path: Path, header: object, data: bytes = b"") -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, message", [
+    ([{"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}], r"corrupt safetensors header \(not a JSON object\)"),
+    ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, r"tensor w: unsupported dtype 'Q4' \(edgeq reads BF16"),
+], ids=["json-list", "unknown-dtype"])
+def test_the_runtime_refuses_a_bad_header_naming_the_file(tmp_path, header, message):
+    """Once the runtime's own parser raised TypeError on a JSON list and called an unknown dtype a malformed entry."""
+    path = _raw_file(tmp_path / "model.safetensors", header, b"\0\0")
+    with pytest.raises(EdgeqError, match=f"^{path}: {message}"):
+        weights.MappedFiles(tmp_path)
+
+
+def test_the_runtime_refuses_trailing_bytes_and_a_stray_name(tmp_path):
+    """What the runtime checks beyond the parser: the file ends where its data does; a shard found by the index or
+    as model.safetensors (another *.safetensors beside it is no shard); the same tensor in two shards."""
+    from edgeq.errors import DamagedCheckpointError
+
+    w = {"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}
+    path = _raw_file(tmp_path / "model.safetensors", w, b"\1\2\3")
+    with pytest.raises(DamagedCheckpointError, match=f"^{path}: .* but its header describes .*\\(\\+1\\)"):
+        weights.MappedFiles(tmp_path)
+    _raw_file(path, w, b"\1\2")
+    _raw_file(tmp_path / "other.safetensors", {"v": w["w"]}, b"\1\2")
+    assert weights.MappedFiles(tmp_path).names() == ["w"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors",
+                                                                                       "v": "other.safetensors"}}))
+    assert sorted(weights.MappedFiles(tmp_path).names()) == ["v", "w"]
+    _raw_file(tmp_path / "other.safetensors", w, b"\1\2")
+    with pytest.raises(EdgeqError, match="other.safetensors: tensor w also appears in model.safetensors"):
         weights.MappedFiles(tmp_path)
 
 

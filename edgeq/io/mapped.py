@@ -5,68 +5,34 @@ Why not ``safe_open(...).get_tensor``: it returns tensors in anonymous memory (a
 in RssFile, are shared with the page cache and can be dropped under pressure) and nothing is read until used.
 Writing to such a tensor would copy only the touched page into anonymous memory and never reach the file.
 
-File format: ``u64 little-endian header length | JSON header | data``; the header maps each name to
-``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the start of the data.
+Headers are parsed and validated by :func:`edgeq.io.safetensors.parse_header` (the one parser: dtypes, shapes, byte
+ranges, overlaps) and the shards found by :func:`edgeq.io.hf.weight_files` (the index, else ``model.safetensors``;
+pickle weights refused). On top of that the runtime checks what a zero-copy view needs: a shard ends exactly where
+its data does (:class:`DamagedCheckpointError` otherwise), and a tensor starts at a multiple of its dtype's size.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from edgeq.errors import DamagedCheckpointError, EdgeqError
-
-DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu,
-}
-_MAX_HEADER = 100 << 20
+from edgeq.io.hf import add_tensors, weight_files
+from edgeq.io.safetensors import Header, TensorInfo, parse_header
+from edgeq.io.safetensors import read_header  # noqa: F401 (alias to sweep: runtime/repacker.py imports it from here)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """Return (header dict without __metadata__, absolute offset of the data section)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise EdgeqError(f"{path}: truncated safetensors file ({size} bytes); re-create it")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER, size - 8):
-            raise EdgeqError(f"{path}: header length {n} exceeds the file ({size} bytes); the file is truncated or corrupt")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise EdgeqError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from e
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def _check_size(shard: Path, size: int, end_of_data: int) -> None:
+def _check_size(header: Header) -> None:
     """A safetensors file ends where its last tensor ends (the format allows no trailing bytes): a shard longer than
-    its header says was appended to or overwritten by another file (truncation fails the offsets check above)."""
+    its header says was appended to or overwritten by another file (truncation fails the header's offsets check)."""
+    size, end_of_data = header.size, header.data_end
     if size != end_of_data:
         raise DamagedCheckpointError(
-            f"{shard}: {size} bytes but its header describes {end_of_data} ({size - end_of_data:+d}); the file was "
+            f"{header.path}: {size} bytes but its header describes {end_of_data} ({size - end_of_data:+d}); the file was "
             f"changed after it was written: re-copy it or re-quantise"
         )
 
@@ -76,54 +42,22 @@ class MappedFiles:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self.infos: dict[str, TensorInfo] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        for shard in self._shards():
-            self._index_shard(shard)
+        self.files, _ = weight_files(self.directory, any_name=False)
+        self.tensors: dict[str, TensorInfo] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        for shard in self.files:
+            header = parse_header(shard)
+            add_tensors(self.tensors, header.tensors)
+            _check_size(header)
 
-    def _shards(self) -> list[Path]:
-        index = self.directory / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError) as e:
-                raise EdgeqError(f"{index}: malformed index ({e}); re-create the checkpoint") from e
-            shards = [self.directory / n for n in names]
-            for s in shards:
-                if not s.exists():
-                    raise EdgeqError(f"{index}: points at missing shard {s.name}; the checkpoint is incomplete")
-            return shards
-        single = self.directory / "model.safetensors"
-        if single.exists():
-            return [single]
-        if any(self.directory.glob("*.bin")) or any(self.directory.glob("*.pt")):
-            raise EdgeqError(f"{self.directory}: only pickle weights (*.bin/*.pt); edgeq never unpickles, convert to safetensors")
-        raise EdgeqError(f"{self.directory}: no model.safetensors or model.safetensors.index.json")
+    @property
+    def infos(self) -> dict[str, SimpleNamespace]:
+        """The runtime's former view of :attr:`tensors` (``file``, ``offset``, torch ``dtype``, ``shape``,
+        ``nbytes``), kept for callers not yet moved to :attr:`tensors` (alias to sweep)."""
+        return {n: SimpleNamespace(name=n, file=t.file, dtype=t.torch_dtype, shape=t.shape, offset=t.start, nbytes=t.nbytes)
+                for n, t in self.tensors.items()}
 
-    def _index_shard(self, shard: Path) -> None:
-        header, data_start = read_header(shard)
-        size = shard.stat().st_size
-        end_of_data = data_start
-        for name, h in header.items():
-            try:
-                dtype = DTYPES[h["dtype"]]
-                shape = tuple(int(d) for d in h["shape"])
-                begin, end = (int(v) for v in h["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise EdgeqError(f"{shard.name}: tensor {name}: malformed header entry ({e})") from e
-            nbytes = math.prod(shape) * dtype.itemsize
-            if end - begin != nbytes or data_start + end > size or begin < 0:
-                raise EdgeqError(
-                    f"{shard.name}: tensor {name} {list(shape)} {h['dtype']}: offsets {begin}..{end} do not match its "
-                    f"size {nbytes} or run past the file ({size} bytes); the file is truncated or corrupt"
-                )
-            if name in self.infos:
-                raise EdgeqError(f"{shard.name}: tensor {name} also appears in {Path(self.infos[name].file).name}")
-            self.infos[name] = TensorInfo(name, str(shard), dtype, shape, data_start + begin, nbytes)
-            end_of_data = max(end_of_data, data_start + end)
-        _check_size(shard, size, end_of_data)
-
-    def _map(self, file: str) -> mmap.mmap:
+    def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:
             fd = os.open(file, os.O_RDONLY)
             try:
@@ -133,22 +67,23 @@ class MappedFiles:
         return self._maps[file]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.infos
+        return name in self.tensors
 
     def names(self) -> list[str]:
-        return list(self.infos)
+        return list(self.tensors)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor as stored, viewing the mapping (no copy, nothing read yet)."""
-        info = self.infos.get(name)
+        info = self.tensors.get(name)
         if info is None:
             raise EdgeqError(f"{self.directory}: tensor {name} is missing from the checkpoint")
         if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        if info.offset % info.dtype.itemsize:
-            raise EdgeqError(f"{Path(info.file).name}: tensor {name} is not aligned to its dtype; rewrite the file")
-        t = torch.frombuffer(self._map(info.file), dtype=info.dtype, count=info.nbytes // info.dtype.itemsize, offset=info.offset)
+            return torch.empty(info.shape, dtype=info.torch_dtype)
+        if info.start % info.itemsize:
+            raise EdgeqError(f"{info.file.name}: tensor {name} is not aligned to its dtype; rewrite the file")
+        t = torch.frombuffer(self._map(info.file), dtype=info.torch_dtype, count=info.nbytes // info.itemsize,
+                             offset=info.start)
         return t.view(info.shape)
 
     def mapped_bytes(self) -> int:
-        return sum(i.nbytes for i in self.infos.values())
+        return sum(i.nbytes for i in self.tensors.values())
