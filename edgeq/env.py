@@ -1,13 +1,39 @@
 """Settings that may come from an argument or from an ``EDGEQ_*`` environment variable, read in one way.
 
-(The architecture issue's `env.py`: every ``EDGEQ_*`` variable is to be read here; today the decode settings are.)
+Every ``EDGEQ_*`` variable edgeq reads (the constants below name them), its default, and what it sets:
+
+- ``EDGEQ_CACHE_DIR`` (``~/.cache/edgeq``, :func:`cache_dir`): built native kernels, the crossover and route caches.
+- ``EDGEQ_NATIVE_ISA`` (auto): the W4A16 kernel's path, scalar|avx2|avx512|amx, or off (runtime/native).
+- ``EDGEQ_W4A8_ISA`` (auto): the W4A8 kernel's path, scalar|avx2|avxvnni|vnni|amx, or off (runtime/native).
+- ``EDGEQ_DECODE_LOOP`` (auto): lean|transformers decode loop (runtime/loader, through :func:`choice`).
+- ``EDGEQ_DECODE_OPS`` (auto): native|torch ops around the projections (runtime/lean, through :func:`choice`).
+- ``EDGEQ_STRICT_LAYOUT`` (off): ``1`` refuses weights packed for another machine's layout (vLLM plugin).
+- ``EDGEQ_PREFILL_THRESHOLD`` (measured): the W4A16 prefill crossover M (vLLM plugin).
+- ``EDGEQ_BENCH_LLAMA_REPACK`` (1): ``0`` runs the llama.cpp arm without repacked weights (bench worker).
+
+Every variable is read when it is needed, never cached at import: tests and ``bench --vs-env`` set them per call.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from edgeq.errors import EdgeqError
+
+CACHE_DIR = "EDGEQ_CACHE_DIR"
+NATIVE_ISA = "EDGEQ_NATIVE_ISA"
+W4A8_ISA = "EDGEQ_W4A8_ISA"
+DECODE_LOOP = "EDGEQ_DECODE_LOOP"
+DECODE_OPS = "EDGEQ_DECODE_OPS"
+STRICT_LAYOUT = "EDGEQ_STRICT_LAYOUT"
+PREFILL_THRESHOLD = "EDGEQ_PREFILL_THRESHOLD"
+BENCH_LLAMA_REPACK = "EDGEQ_BENCH_LLAMA_REPACK"
+
+
+def cache_dir() -> Path:
+    """``$EDGEQ_CACHE_DIR``, or ``~/.cache/edgeq`` when it is unset or empty (not created here)."""
+    return Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "edgeq")
 
 
 def choice(arg: str | None, name: str, env_var: str, choices: tuple[str, ...]) -> tuple[str, str]:
