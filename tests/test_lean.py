@@ -112,6 +112,28 @@ def test_native_ops_logits_close_to_transformers(name, prose, tiny):
     # test_greedy_ids_identical_on_the_fixture, which runs the native attention by default)
 
 
+@pytest.mark.parametrize("name", ["prose", "qwen3"])
+def test_switching_decode_ops_allocates_each_path_at_first_use(name, prose, tiny):
+    """A decoder owns the buffers of the ops it runs; benchmarks/bench_decode_breakdown.py switches ``decoder.ops``
+    on one load, and the path switched to gets its buffers then: the torch ops stay bit-identical to transformers."""
+    from edgeq.runtime import native
+
+    if not native.available():
+        pytest.skip("the native library does not build/run here")
+    path = prose if name == "prose" else tiny[name]
+    assert load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="torch").decoder.attn_out is None
+    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="native")
+    dec = lm.decoder
+    native_bytes = dec.owned_bytes
+    assert dec.rot is None and dec.norm is None and lm.settings.lean_bytes == native_bytes
+    tokens = _tokens(8, lm.config.vocab_size)
+    ref = _run(lm, tokens, lean=False)
+    dec.ops = "torch"
+    assert torch.equal(_run(lm, tokens, lean=True), ref) and dec.owned_bytes > native_bytes
+    dec.ops = "native"
+    assert rel_err(_run(lm, tokens, lean=True), ref) <= NATIVE_TOL
+
+
 def test_decode_ops_choice_and_errors(prose, monkeypatch):
     monkeypatch.setenv("EDGEQ_DECODE_OPS", "torch")
     lm = load(prose, prefill_threshold=4, kv_cache_bytes="1MiB")

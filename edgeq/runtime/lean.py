@@ -10,9 +10,10 @@ are the model's :class:`~edgeq.runtime.qlinear.Int4Linear`, or ``nn.Linear`` for
 embedding and the norm weights are the mapped bf16 views) and writes keys and values into the same
 :class:`~edgeq.runtime.kvcache.StaticKVCache` the transformers forward uses, so a prompt prefilled by transformers
 continues here. What it owns, allocated once at construction: RoPE tables for ``max_model_len`` positions and
-activation buffers of one token. A step writes into those with ``out=`` variants and in-place ops; the only tensors
-a step allocates are the outputs of ops that have no ``out=`` form (the int4 kernel's result of each projection and
-of the head, and SDPA's result when SDPA runs: docs/runtime.md counts them).
+the activation buffers of one token that its decode ops use (the other ops' only if it is switched to them). A step
+writes into those with ``out=`` variants and in-place ops; the only tensors a step allocates are the outputs of ops
+that have no ``out=`` form (the int4 kernel's result of each projection and of the head, and SDPA's result when SDPA
+runs: docs/runtime.md counts them).
 
 Decode ops (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native ops around the projections
 (``edgeq.runtime.native``: ``decode_attn``, fp32 softmax over the cache read in place with one rounding, several
@@ -46,7 +47,7 @@ from edgeq import env
 from edgeq.errors import EdgeqError
 from edgeq.runtime import native
 
-ENV_DECODE_OPS = "EDGEQ_DECODE_OPS"
+ENV_DECODE_OPS = env.DECODE_OPS
 DECODE_OPS = ("auto", "native", "torch")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
@@ -196,42 +197,78 @@ class LeanDecoder:
         self.hidden = int(self.embed.shape[1])
         self.max_positions = int(max_model_len)
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
-        self.ops, self.ops_reason = ops_choice(ops)
+        ops, self.ops_reason = ops_choice(ops)
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)
+        self.ops = ops
 
     # ------------------------------------------------------------------------------------------------- buffers
 
+    @property
+    def ops(self) -> str:
+        """The decode ops around the projections: "native" or "torch" (:func:`ops_choice`)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, value: str) -> None:
+        """Switch the ops (benchmarks time both on one load); each path's buffers are allocated at its first use, so
+        the decoder owns only what the paths it ran need."""
+        with torch.inference_mode(False):
+            (self._native_buffers if value == "native" else self._torch_buffers)()
+        self._ops = value
+
     def _allocate(self, rotary: nn.Module) -> None:
+        """What both paths use: the RoPE tables, the residual, the norm's output, position/token indices, the
+        position's cos/nsin rows, and for Qwen3 the q|k buffer its head norm runs over."""
         d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
         self.cos, self.nsin = rope_tables(rotary, self.max_positions, d, dt)
         self.x = torch.empty(1, self.hidden, dtype=dt)  # the residual stream
         self.n = torch.empty(1, self.hidden, dtype=dt)  # normed input of the projections
-        self.norm = _RMSNorm(1, self.hidden, dt)
-        self.qk_norm = _RMSNorm(h + kvh, d, dt) if self.family == "qwen3" else None
         self.pos = torch.zeros(1, dtype=torch.long)
         self.token = torch.zeros(1, dtype=torch.long)
         self.cos_p = torch.empty(1, d, dtype=dt)
         self.nsin_p = torch.empty(1, d, dtype=dt)
-        # q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k.
-        self.qk = torch.empty(h + kvh, d, dtype=dt)
+        self.norm = self.qk = self.qk_norm = self.rot = self.attn_out = None  # per path, allocated at its first use
+        self._qn_q = self._qn_k = None
+        if self.family == "qwen3":
+            self._qk_buffer()
+            self.qk_norm = _RMSNorm(h + kvh, d, dt)
+            self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
+
+    def _qk_buffer(self) -> None:
+        """q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k."""
+        if self.qk is None:
+            h, kvh = self.heads, self.kv_heads
+            self.qk = torch.empty(h + kvh, self.head_dim, dtype=self.dtype)
+            self._qk_q, self._qk_k = self.qk[:h], self.qk[h:]
+
+    def _torch_buffers(self) -> None:
+        """The eager ops' buffers: the RMSNorm's, and q|k's RoPE terms (``t1``, ``t2``) and result (``rot``)."""
+        if self.rot is not None:
+            return
+        d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
+        self.norm = _RMSNorm(1, self.hidden, dt)
+        self._qk_buffer()
         self.t1 = torch.empty(h + kvh, d, dtype=dt)
         self.t2 = torch.empty(h + kvh, d, dtype=dt)
         self.rot = torch.empty(h + kvh, d, dtype=dt)
         half = d // 2
         # views made once (a view per call costs about as much as a small op)
-        self._qk_q, self._qk_k = self.qk[:h], self.qk[h:]
         self._qk_lo, self._qk_hi = self.qk[:, :half], self.qk[:, half:]
         self._t2_lo, self._t2_hi = self.t2[:, :half], self.t2[:, half:]
         self._nsin_lo, self._nsin_hi = self.nsin_p[:, :half], self.nsin_p[:, half:]
         self._rot_q = self.rot[:h].view(1, h, 1, d)
         self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
-        self._rot_qh = self.rot[:h]  # [h, d]: the native attention's q
-        self.attn_out = torch.empty(h, d, dtype=dt)  # the native attention's output, reused every layer
+
+    def _native_buffers(self) -> None:
+        """The native ops' buffers: the rotated q [h, d] (``rope_to_cache`` writes k straight into the cache) and
+        the attention's output, reused every layer."""
+        if self.attn_out is not None:
+            return
+        h, d, dt = self.heads, self.head_dim, self.dtype
+        self._rot_qh = torch.empty(h, d, dtype=dt)
+        self.attn_out = torch.empty(h, d, dtype=dt)
         self._attn_flat = self.attn_out.view(1, h * d)  # the o projection's input
-        self._qn_q, self._qn_k = None, None
-        if self.qk_norm is not None:
-            self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
 
     @property
     def owned_bytes(self) -> int:
@@ -258,7 +295,7 @@ class LeanDecoder:
         torch.index_select(self.embed, 0, self.token, out=self.x)
         torch.index_select(self.cos, 0, self.pos, out=self.cos_p)
         torch.index_select(self.nsin, 0, self.pos, out=self.nsin_p)
-        if self.ops == "native":
+        if self._ops == "native":
             return self._step_native(p)
         x, n, norm = self.x, self.n, self.norm
         h, d = self.heads, self.head_dim
