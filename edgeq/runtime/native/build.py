@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
+from edgeq import env
 from edgeq.errors import EdgeqError
 
-ENV_CACHE = "EDGEQ_CACHE_DIR"
+ENV_CACHE = env.CACHE_DIR
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # edgeq/csrc
 
 LOCK = threading.Lock()  # held while a kernel loads its state
@@ -99,8 +100,8 @@ class State:
 
 
 def cache_dir() -> Path:
-    """``$EDGEQ_CACHE_DIR``, default ``~/.cache/edgeq``."""
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "edgeq")
+    """``$EDGEQ_CACHE_DIR``, default ``~/.cache/edgeq`` (:func:`edgeq.env.cache_dir`), read at every build."""
+    return env.cache_dir()
 
 
 def source_key(csrc: Path, sources: tuple[str, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
@@ -156,14 +157,15 @@ def short(err: BaseException, lines: int = 6) -> str:
     return (head + ": " + " | ".join(hits[:lines]))[:2000] if hits else (text[0] if text else type(err).__name__)[:2000]
 
 
-def isa_request(env: str, isas: tuple[str, ...], what: str) -> tuple[str, str | None, bool]:
-    """Read ``env`` (an ISA of ``isas``, ``off`` or ``auto``; unset is auto): (request, why the kernel cannot run here
-    or None, whether that reason is the user's error)."""
-    forced = (os.environ.get(env) or "auto").strip().lower()
+def isa_request(var: str, isas: tuple[str, ...], what: str) -> tuple[str, str | None, bool]:
+    """Read ``$var`` (an ISA of ``isas``, ``off`` or ``auto``; unset is auto): (request, why the kernel cannot run here
+    or None, whether that reason is the user's error). Read here, not through :func:`edgeq.env.choice`: a bad value
+    is recorded for the kernel's calls to raise, with its own message."""
+    forced = (os.environ.get(var) or "auto").strip().lower()
     if forced not in isas + ("auto", "off"):
-        return forced, f"{env}={forced!r} is not one of {', '.join(isas[::-1])}, off, auto; fix or unset it", True
+        return forced, f"{var}={forced!r} is not one of {', '.join(isas[::-1])}, off, auto; fix or unset it", True
     if forced == "off":
-        return forced, f"disabled by {env}=off", False
+        return forced, f"disabled by {var}=off", False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return forced, f"{what} is x86-64 only (this is {platform.machine()})", False
     return forced, None, False

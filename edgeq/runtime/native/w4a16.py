@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeq import env
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime.native import build
@@ -53,7 +54,7 @@ SPEC = build.Spec(
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
     cflags=("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
     ldflags=("-fopenmp",),
-    env_isa="EDGEQ_NATIVE_ISA",
+    env_isa=env.NATIVE_ISA,
     isas=("scalar", "avx2", "avx512", "amx"),  # in order of preference, worst first
     feature_bits={"avx2": 1, "avx512": 2, "amx": 4},
     isa_codes={"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3},
