@@ -14,7 +14,7 @@ from edgeq.convert.recipe import Recipe
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.manifest import Manifest, read_manifest
-from edgeq.keys import HEAD_MODULE, MANIFEST
+from edgeq.keys import HEAD_MODULE, MANIFEST, Role
 from edgeq.layouts.base import get as get_layout
 from edgeq.scheme import Scheme
 from edgeq.inspect.kernels.base import get as get_checks
@@ -39,7 +39,7 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
     manifest = read_manifest(ckpt.root)
     checks = get_checks(manifest.kernel)
     qmods = _claim_parts(ckpt, manifest)
-    roles = {name: t.get("role", "other") for name, t in manifest.tensors.items() if isinstance(t, dict)}
+    roles = {name: t.get("role", Role.OTHER) for name, t in manifest.tensors.items() if isinstance(t, dict)}
     rows_ = rows(ckpt, recipe, qmods, roles)
     check_manifest(ckpt, manifest, problems)
     g = _group_size(manifest.scheme, problems)
@@ -48,7 +48,7 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
     modules = checks.modules(ckpt, manifest, g, problems)
     verdict = checks.layout(ckpt, manifest, modules, g, strict_layout, problems, warnings)
     head = manifest.head
-    tied_source = head.get("source", "lm_head.weight") != f"{HEAD_MODULE}.weight"
+    tied_source = head.get("source", f"{HEAD_MODULE}.weight") != f"{HEAD_MODULE}.weight"
     params = sum(m.numel for m in modules.values() if not (m.name == HEAD_MODULE and tied_source))
     params += unquantized_params(rows_)
     if ckpt.config.get("tie_word_embeddings") is not False:

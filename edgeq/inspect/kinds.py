@@ -14,7 +14,7 @@ from edgeq.convert.recipe import Recipe, find_recipe
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.safetensors import DTYPES, TensorInfo
-from edgeq.keys import MANIFEST, QUANT_METHOD, Role
+from edgeq.keys import HEAD_MODULE, MANIFEST, QUANT_METHOD, Role
 from edgeq.inspect.schema import CATEGORIES, TensorRow
 
 # Tensor-name suffixes that belong to a quantised module (longest first when matching).
@@ -68,7 +68,7 @@ def detect_kind(ckpt: Checkpoint) -> str:
 
 
 def _default_recipe() -> Recipe:
-    return Recipe(name="default", model_types=(), scheme="w4a16-g128", method="rtn", head="lm_head.weight",
+    return Recipe(name="default", model_types=(), scheme="w4a16-g128", method="rtn", head=f"{HEAD_MODULE}.weight",
                   embeddings=("model.embed_tokens.weight",), keep_bf16=(), notes="", source="")
 
 
