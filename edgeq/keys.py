@@ -54,6 +54,7 @@ class Role(StrEnum):
     NORM = "norm"  # 1-D ``*norm*``
     BIAS = "bias"
     OTHER = "other"
+    PERM = "perm"  # an output-only role: ``M.perm`` (int64 [K]) of an act-order layer, written beside its module
 
 
 class Action(StrEnum):
