@@ -3,6 +3,6 @@ what is set on it (tests reset ``_state``) reaches the kernel."""
 
 import sys
 
-from edgeq.runtime.native import w4a8
+import edgeq.runtime.native.w4a8 as w4a8
 
 sys.modules[__name__] = w4a8

@@ -32,10 +32,10 @@ from typing import Callable
 
 import torch
 
-from edgeq import env
+from edgeq.env import CACHE_DIR, cache_dir as _cache_dir
 from edgeq.errors import EdgeqError
 
-ENV_CACHE = env.CACHE_DIR
+ENV_CACHE = CACHE_DIR
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # edgeq/csrc
 
 LOCK = threading.Lock()  # held while a kernel loads its state
@@ -101,7 +101,7 @@ class State:
 
 def cache_dir() -> Path:
     """``$EDGEQ_CACHE_DIR``, default ``~/.cache/edgeq`` (:func:`edgeq.env.cache_dir`), read at every build."""
-    return env.cache_dir()
+    return _cache_dir()
 
 
 def source_key(csrc: Path, sources: tuple[str, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:

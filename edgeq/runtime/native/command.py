@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from edgeq.errors import EdgeqError
-from edgeq.runtime.native import w4a8, w4a16
+import edgeq.runtime.native.w4a8 as w4a8
+import edgeq.runtime.native.w4a16 as w4a16
 
 
 def native_command(as_json: bool = False) -> None:

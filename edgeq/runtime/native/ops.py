@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from edgeq.errors import EdgeqError
-from edgeq.runtime.native import w4a16
+import edgeq.runtime.native.w4a16 as w4a16
 
 
 def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int, scale: float,

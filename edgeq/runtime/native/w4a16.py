@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeq import env
+from edgeq.env import NATIVE_ISA
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.runtime.native import build
+import edgeq.runtime.native.build as build
 
 HALVES, ADJACENT = 0, 1  # block modes, as in edgeq/csrc/int4mm.h
 BLOCK_NS = (32, 64)
@@ -54,7 +54,7 @@ SPEC = build.Spec(
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
     cflags=("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
     ldflags=("-fopenmp",),
-    env_isa=env.NATIVE_ISA,
+    env_isa=NATIVE_ISA,
     isas=("scalar", "avx2", "avx512", "amx"),  # in order of preference, worst first
     feature_bits={"avx2": 1, "avx512": 2, "amx": 4},
     isa_codes={"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3},

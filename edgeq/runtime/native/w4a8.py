@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from edgeq import env
+from edgeq.env import W4A8_ISA
 from edgeq.errors import EdgeqError
-from edgeq.runtime.native import build
+import edgeq.runtime.native.build as build
 
 SPEC = build.Spec(
     name="native W4A8 kernel",
@@ -38,7 +38,7 @@ SPEC = build.Spec(
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP.
     cflags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
     ldflags=("-fopenmp",),
-    env_isa=env.W4A8_ISA,
+    env_isa=W4A8_ISA,
     isas=("scalar", "avx2", "avxvnni", "vnni", "amx"),  # worst first
     feature_bits={"avx2": 4, "avxvnni": 8, "vnni": 1, "amx": 2},
     isa_codes={"scalar": 0, "vnni": 1, "amx": 2, "avx2": 3, "avxvnni": 4},  # the binding's codes, not the ranking
@@ -48,7 +48,7 @@ SPEC = build.Spec(
     # 1.0 / 1.65 / 4.2 ms for the portable path (oneDNN's int8 GEMM), so without AVX2 the portable path is the fast
     # one; the scalar code stays reachable with EDGEQ_W4A8_ISA=scalar.
     scalar_only=("this CPU has neither AVX2 nor AVX512-VNNI: the portable path (torch int8 GEMM) is faster than "
-                 f"edgeq's scalar W4A8 code; {env.W4A8_ISA}=scalar forces it"),
+                 f"edgeq's scalar W4A8 code; {W4A8_ISA}=scalar forces it"),
 )
 ENV_ISA, ISAS = SPEC.env_isa, SPEC.isas
 
