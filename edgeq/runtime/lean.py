@@ -19,10 +19,10 @@ Decode ops (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's nat
 (``edgeq.runtime.native``: ``decode_attn``, fp32 softmax over the cache read in place with one rounding, several
 times faster than torch's flash-attention CPU kernel for one query; ``add_rms_norm``; ``rope_to_cache``), close to
 the eager ops, not bit-equal (tests/test_lean.py bounds the logits); ``decode_ops="torch"`` keeps the eager ops and
-SDPA. With those every op repeats the transformers computation
-in the same order and dtype, so the logits are bit-identical to the transformers forward on the same cache
-(tests/test_lean.py), except on sliding-window layers past the window (SDPA over the window's slice instead of a
-masked full row: equal within bf16 rounding). Per layer, with x the bf16 residual [1, H]::
+SDPA. With those every op repeats the transformers computation in the same order and dtype, so the logits are
+bit-identical to the transformers forward on the same cache (tests/test_lean.py), except on sliding-window layers
+past the window (SDPA over the window's slice instead of a masked full row: equal within bf16 rounding). Per layer,
+with x the bf16 residual [1, H]::
 
     n   = w_in * bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps))        # RMSNorm, two roundings as transformers
     q, k, v = n @ Wq^T (+ bq), n @ Wk^T (+ bk), n @ Wv^T (+ bv)      # [heads*d], [kv_heads*d] each
@@ -43,11 +43,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edgeq import env
+from edgeq.env import DECODE_OPS as ENV_DECODE_OPS, choice
 from edgeq.errors import EdgeqError
 from edgeq.runtime import native
 
-ENV_DECODE_OPS = env.DECODE_OPS
 DECODE_OPS = ("auto", "native", "torch")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
@@ -211,64 +210,47 @@ class LeanDecoder:
 
     @ops.setter
     def ops(self, value: str) -> None:
-        """Switch the ops (benchmarks time both on one load); each path's buffers are allocated at its first use, so
-        the decoder owns only what the paths it ran need."""
+        """Switch the ops (benchmarks time both on one load): a path's buffers are allocated at its first use."""
         with torch.inference_mode(False):
-            (self._native_buffers if value == "native" else self._torch_buffers)()
+            self._buffers(value)
         self._ops = value
 
     def _allocate(self, rotary: nn.Module) -> None:
         """What both paths use: the RoPE tables, the residual, the norm's output, position/token indices, the
-        position's cos/nsin rows, and for Qwen3 the q|k buffer its head norm runs over."""
+        position's cos/nsin rows, and Qwen3's head norm."""
         d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
         self.cos, self.nsin = rope_tables(rotary, self.max_positions, d, dt)
         self.x = torch.empty(1, self.hidden, dtype=dt)  # the residual stream
         self.n = torch.empty(1, self.hidden, dtype=dt)  # normed input of the projections
-        self.pos = torch.zeros(1, dtype=torch.long)
-        self.token = torch.zeros(1, dtype=torch.long)
-        self.cos_p = torch.empty(1, d, dtype=dt)
-        self.nsin_p = torch.empty(1, d, dtype=dt)
-        self.norm = self.qk = self.qk_norm = self.rot = self.attn_out = None  # per path, allocated at its first use
-        self._qn_q = self._qn_k = None
+        self.pos, self.token = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        self.cos_p, self.nsin_p = torch.empty(1, d, dtype=dt), torch.empty(1, d, dtype=dt)
+        self.norm = self.qk = self.qk_norm = self._qn_q = self._qn_k = self.rot = self.attn_out = None  # per path
         if self.family == "qwen3":
-            self._qk_buffer()
             self.qk_norm = _RMSNorm(h + kvh, d, dt)
             self._qn_q, self._qn_k = self.qk_norm.normed[:h], self.qk_norm.normed[h:]
 
-    def _qk_buffer(self) -> None:
-        """q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k."""
-        if self.qk is None:
-            h, kvh = self.heads, self.kv_heads
-            self.qk = torch.empty(h + kvh, self.head_dim, dtype=self.dtype)
-            self._qk_q, self._qk_k = self.qk[:h], self.qk[h:]
-
-    def _torch_buffers(self) -> None:
-        """The eager ops' buffers: the RMSNorm's, and q|k's RoPE terms (``t1``, ``t2``) and result (``rot``)."""
-        if self.rot is not None:
-            return
+    def _buffers(self, ops: str) -> None:
+        """Allocate what ``ops`` needs that is not there yet. Native: the rotated q [h, d] (k goes straight into the
+        cache) and the attention's output. Torch: the RMSNorm's buffers, q|k's RoPE terms and result. Both: q|k
+        when its head norm (Qwen3) or RoPE (torch) runs over it."""
         d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
-        self.norm = _RMSNorm(1, self.hidden, dt)
-        self._qk_buffer()
-        self.t1 = torch.empty(h + kvh, d, dtype=dt)
-        self.t2 = torch.empty(h + kvh, d, dtype=dt)
-        self.rot = torch.empty(h + kvh, d, dtype=dt)
-        half = d // 2
-        # views made once (a view per call costs about as much as a small op)
-        self._qk_lo, self._qk_hi = self.qk[:, :half], self.qk[:, half:]
-        self._t2_lo, self._t2_hi = self.t2[:, :half], self.t2[:, half:]
-        self._nsin_lo, self._nsin_hi = self.nsin_p[:, :half], self.nsin_p[:, half:]
-        self._rot_q = self.rot[:h].view(1, h, 1, d)
-        self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
-
-    def _native_buffers(self) -> None:
-        """The native ops' buffers: the rotated q [h, d] (``rope_to_cache`` writes k straight into the cache) and
-        the attention's output, reused every layer."""
-        if self.attn_out is not None:
-            return
-        h, d, dt = self.heads, self.head_dim, self.dtype
-        self._rot_qh = torch.empty(h, d, dtype=dt)
-        self.attn_out = torch.empty(h, d, dtype=dt)
-        self._attn_flat = self.attn_out.view(1, h * d)  # the o projection's input
+        if self.qk is None and (ops == "torch" or self.family == "qwen3"):
+            # q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k.
+            self.qk = torch.empty(h + kvh, d, dtype=dt)
+            self._qk_q, self._qk_k = self.qk[:h], self.qk[h:]
+        if ops == "native" and self.attn_out is None:
+            self._rot_qh, self.attn_out = torch.empty(h, d, dtype=dt), torch.empty(h, d, dtype=dt)
+            self._attn_flat = self.attn_out.view(1, h * d)  # the o projection's input
+        elif ops == "torch" and self.rot is None:
+            self.norm = _RMSNorm(1, self.hidden, dt)
+            self.t1, self.t2, self.rot = (torch.empty(h + kvh, d, dtype=dt) for _ in range(3))
+            half = d // 2
+            # views made once (a view per call costs about as much as a small op)
+            self._qk_lo, self._qk_hi = self.qk[:, :half], self.qk[:, half:]
+            self._t2_lo, self._t2_hi = self.t2[:, :half], self.t2[:, half:]
+            self._nsin_lo, self._nsin_hi = self.nsin_p[:, :half], self.nsin_p[:, half:]
+            self._rot_q = self.rot[:h].view(1, h, 1, d)
+            self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
 
     @property
     def owned_bytes(self) -> int:
@@ -382,13 +364,13 @@ def ops_choice(request: str | None) -> tuple[str, str]:
     flash-attention CPU kernel is built for many queries (for one query it was half of a decode step), and ~50
     eager ops a layer cost more in dispatch than in arithmetic (docs/kernel.md, "Decode breakdown").
     """
-    choice, source = env.choice(request, "decode_ops", ENV_DECODE_OPS, DECODE_OPS)
-    if choice == "torch":
+    picked, source = choice(request, "decode_ops", ENV_DECODE_OPS, DECODE_OPS)
+    if picked == "torch":
         return "torch", f"requested ({source}=torch)"
     if native.available():
         return "native", f"edgeq's decode ops: attention, RMSNorm, RoPE + cache write ({native.status().get('isa')})"
     why = native.status().get("reason", "unavailable")
-    if choice == "native":
+    if picked == "native":
         raise EdgeqError(f"{source}=native but the native library does not run here: {why}; use auto or torch")
     return "torch", f"native library unavailable ({why})"
 
