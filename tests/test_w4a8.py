@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import Counter
 from fractions import Fraction
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
+from edgeq.runtime import w4a8_compute as C
 from edgeq.quantize.w4a8 import (
     dequantize_w4a8,
     fma_f32,
@@ -236,9 +238,9 @@ def test_fma_random_wide_range_against_rationals():
 
 
 def test_addcmul_probe_agrees_with_emulation():
-    if not L.addcmul_is_fma():
+    if not C.addcmul_is_fma():
         pytest.skip("this torch build's addcmul is not fused; the exact float64 emulation is used instead")
-    t, sw, c = L._fma_probe_case(4, 300, torch.Generator().manual_seed(9))
+    t, sw, c = C._fma_probe_case(4, 300, torch.Generator().manual_seed(9))
     assert torch.equal(c.clone().addcmul_(t, sw), fma_f32(t, sw.expand(4, 300), c))
 
 
@@ -250,7 +252,7 @@ def _variants():
     per K block)."""
     yield {"backend": "int_mm", "fma": "exact"}
     yield {"backend": "fp32", "fma": "exact", "blockdiag_rows": 0}
-    if L.addcmul_is_fma():
+    if C.addcmul_is_fma():
         yield {"backend": "int_mm", "fma": "addcmul", "blockdiag_rows": 0}
         yield {"backend": "fp32", "fma": "addcmul", "scratch_bytes": 1}
 
@@ -264,9 +266,9 @@ def test_portable_path_bit_exact_against_rational_reference(g):
     bias = torch.randn(64, generator=gen).bfloat16() if g != 64 else None
     want32 = ref_kernel(x, qw.q, qw.zeros, qw.scales, g, bias=bias)
     for v in _variants():
-        y32 = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, bias, out_dtype=torch.float32, **v)
+        y32 = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, bias, out_dtype=torch.float32, **v)
         assert np.array_equal(y32.numpy().view(np.uint32), want32.view(np.uint32)), v
-        y = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, bias, **v)
+        y = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, bias, **v)
         assert y.dtype == torch.bfloat16 and np.array_equal(y.view(torch.int16).numpy().view(np.uint16), bf16_bits(want32)), v
 
 
@@ -274,8 +276,8 @@ def test_fused_multiply_add_matters_in_the_portable_path():
     _, qw = quantised(64, 512, 64, seed=4)
     p = packed(qw)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
-    fused = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, out_dtype=torch.float32)
-    unfused = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, out_dtype=torch.float32, fused=False)
+    fused = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, out_dtype=torch.float32)
+    unfused = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, out_dtype=torch.float32, fused=False)
     assert not torch.equal(fused, unfused)  # fp32 results differ in some last bits
     want = ref_kernel(x, qw.q, qw.zeros, qw.scales, 64, fused=False)
     assert np.array_equal(unfused.numpy().view(np.uint32), want.view(np.uint32))
@@ -285,7 +287,7 @@ def test_portable_path_fp32_input_and_leading_dims():
     _, qw = quantised(32, 128, 32, seed=6)
     p = packed(qw)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1))
-    y = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 32, out_dtype=torch.float32)
+    y = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 32, out_dtype=torch.float32)
     assert list(y.shape) == [2, 3, 32]
     want = ref_kernel(x.reshape(6, 128), qw.q, qw.zeros, qw.scales, 32)
     assert np.array_equal(y.reshape(6, 32).numpy().view(np.uint32), want.view(np.uint32))
@@ -298,7 +300,7 @@ def test_portable_path_agrees_with_float_reference_within_activation_quantisatio
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(8, 512, generator=gen).bfloat16()
     bias = torch.randn(256, generator=gen) * 0.1
-    y = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 128, bias).double()
+    y = C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 128, bias).double()
     w_hat = dequantize_w4a8(qw.q, qw.scales, qw.zeros, 128, dtype=torch.float64)
     ref = x.double() @ w_hat.T + bias.double()
     _, s_a = quantize_activations(x)
@@ -314,11 +316,15 @@ def test_counters_name_the_path():
     _, qw = quantised(64, 128, 64, seed=9)
     p = packed(qw)
     x = torch.randn(2, 128).bfloat16()
-    before = dict(L.CALLS)
-    L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, backend="fp32", fma="exact")
-    assert L.CALLS["w4a8_linear"] == before.get("w4a8_linear", 0) + 1
-    assert L.CALLS["blocks_fp32"] == before.get("blocks_fp32", 0) + 2 * 2  # 2 row blocks x 2 K blocks
-    assert L.CALLS["fma_exact"] == before.get("fma_exact", 0) + 4
+    before = dict(C.PROCESS_COUNTS)
+    C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, backend="fp32", fma="exact")
+    assert C.PROCESS_COUNTS["w4a8_linear"] == before.get("w4a8_linear", 0) + 1
+    assert C.PROCESS_COUNTS["blocks_fp32"] == before.get("blocks_fp32", 0) + 2 * 2  # 2 row blocks x 2 K blocks
+    assert C.PROCESS_COUNTS["fma_exact"] == before.get("fma_exact", 0) + 4
+    own = Counter()  # a caller's own counter gets the same steps, and the process's none of them
+    C.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64, backend="fp32", fma="exact", counts=own)
+    assert own == Counter({"w4a8_linear": 1, "blocks_fp32": 4, "fma_exact": 4})
+    assert C.PROCESS_COUNTS["w4a8_linear"] == before.get("w4a8_linear", 0) + 1
 
 
 # --- quantiser --------------------------------------------------------------------------------------------------------------
@@ -396,6 +402,6 @@ def test_layout_shape_errors_give_the_numbers():
     with pytest.raises(EdgeqError, match=r"m\.qweight: expected uint8 \[N/32, K/64, 1152\]"):
         L.check_packed("m", p.qweight, p.scales, p.zeros, 64)
     with pytest.raises(EdgeqError, match=r"expected x bf16/fp32 \[\.\.\., 64\], got torch\.bfloat16 \[1, 32\]"):
-        L.w4a8_linear(torch.zeros(1, 32).bfloat16(), p.qweight, p.scales, p.zeros, 32)
+        C.w4a8_linear(torch.zeros(1, 32).bfloat16(), p.qweight, p.scales, p.zeros, 32)
     with pytest.raises(EdgeqError, match=r"bias: expected \[32\], got \[16\]"):
-        L.w4a8_linear(torch.zeros(1, 64), p.qweight, p.scales, p.zeros, 32, torch.zeros(16))
+        C.w4a8_linear(torch.zeros(1, 64), p.qweight, p.scales, p.zeros, 32, torch.zeros(16))

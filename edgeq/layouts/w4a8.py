@@ -22,37 +22,28 @@ byte 1 = q[0,1] | q[8,1] << 4, byte 4 = q[1,0] | q[9,0] << 4, byte 28 = q[7,0] |
 byte 32 = q[16,0] | q[24,0] << 4, byte 63 = q[23,3] | q[31,3] << 4, byte 64 = q[0,4] | q[8,4] << 4, ...,
 bytes 512..515 = comp[0] (low byte first).
 
-Arithmetic of the kernel (what :func:`w4a8_linear` reproduces bit for bit; see docs/w4a8.md)::
-
-    q_a, s_a = quantize_activations(x)                        per token, fp32 (edgeq.quantize.w4a8)
-    C = bias (fp32) or 0
-    for kb in 0 .. K/bk - 1:                                  in order
-        acc = sum_{k in block kb} q_a[m, k] * (q[n, k] - z[g, n])       exact int32
-        C   = fma(fp32(acc) * s_a[m], s[g, n], C)               one fp32 rounding for the product, one for the fma
-    y = bf16(C)                                                round to nearest even
+This module is the bytes only (pack, unpack, shapes, sizes, the layout record). The kernel's arithmetic, and the
+portable path that reproduces it bit for bit, are the runtime's: :mod:`edgeq.runtime.w4a8_compute`.
 
 Source checked: sgl-project/sglang sgl-kernel/csrc/cpu/gemm_int4.cpp
 (``convert_int4_weight_packed_with_compensation``, ``_da8w4_linear_impl``, ``_dequant_gemm_accum``,
 ``quantize_row_int8`` in vec.h) and the identical port in
-vllm-project/vllm csrc/cpu/sgl-kernels/gemm_int4.cpp. The multiply-add is written there as separate
-``_mm512_mul_ps`` / ``_mm512_add_ps``; it is fused only when the compiler contracts it (GCC's default in GNU
-mode). :func:`w4a8_linear` takes ``fused`` so a load-time probe against a compiled kernel can pick the one it does.
+vllm-project/vllm csrc/cpu/sgl-kernels/gemm_int4.cpp.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import sys
-from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
+from edgeq.cpu import has_vnni  # noqa: F401 - alias to sweep (benchmarks/bench_w4a8.py): edgeq.cpu.has_vnni
 from edgeq.errors import EdgeqError
-from edgeq.keys import Kernel
-from edgeq.quantize.w4a8 import fma_f32, fma_into, quantize_activations
+from edgeq.keys import MANIFEST, Kernel
 
 KERNEL = Kernel.W4A8
 LAYOUT_NAME = "amx_w4a8"  # the layout record's "layout"/"op" value
@@ -77,10 +68,6 @@ _DESCRIPTION = {
     "math": "C = bias; C = fma(fp32(acc_int32) * s_a, s_w, C) per K block in order; bf16(C)",
 }
 LAYOUT_HASH = hashlib.sha256(json.dumps(_DESCRIPTION, sort_keys=True).encode()).hexdigest()
-
-# "w4a8_linear": calls; "blocks_int_mm" / "blocks_fp32" and "fma_addcmul" / "fma_exact" / "fma_unfused": steps of
-# (32-row block x K block) by path, so benchmarks and `edgeq route` can show which path actually ran
-CALLS: Counter = Counter()
 
 
 def block_k(group_size: int) -> int:
@@ -223,7 +210,7 @@ def _words(qweight: torch.Tensor, a: int, b: int, bk: int) -> torch.Tensor:
     return body.view(torch.int32).view(b - a, qweight.shape[1], bk // VNNI, 16)
 
 
-def _unpack_into(qweight: torch.Tensor, group_size: int, a: int, b: int, out: torch.Tensor, tmp: torch.Tensor):
+def unpack_into(qweight: torch.Tensor, group_size: int, a: int, b: int, out: torch.Tensor, tmp: torch.Tensor):
     """q of row blocks a..b-1 into ``out`` (uint8/int8, >= 32*(b-a)*K elements) as [32*(b-a), K]; ``tmp`` is int32
     scratch of >= 32*(b-a)*K/8 elements.
 
@@ -256,7 +243,7 @@ def unpack(qweight: torch.Tensor, group_size: int, blocks: tuple[int, int] | Non
         raise EdgeqError(f"unpack: block range {a}..{b} outside 0..{qweight.shape[0]}")
     n, k = (b - a) * BLOCK_N, packed_shape(qweight, group_size)[1]
     out, tmp = torch.empty(n * k, dtype=torch.uint8), torch.empty(n * k // 8, dtype=torch.int32)
-    return _unpack_into(qweight, group_size, a, b, out, tmp)
+    return unpack_into(qweight, group_size, a, b, out, tmp)
 
 
 def unpack_compensation(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -269,207 +256,6 @@ def unpack_params(packed_param: torch.Tensor) -> torch.Tensor:
     """scales or zeros [N/32, K/G, 32] -> [K/G, N]."""
     nc, gc, _ = packed_param.shape
     return packed_param.permute(1, 0, 2).reshape(gc, nc * BLOCK_N)
-
-
-# --- the portable path ---------------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def has_vnni() -> bool:
-    """AVX512-VNNI or AMX-INT8 in /proc/cpuinfo (where torch._int_mm runs on VNNI/AMX through oneDNN)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_vnni", "amx_int8"} & flags)
-    except OSError:
-        pass
-    return False
-
-
-def _centered_block(qweight, zeros, group_size: int, a: int, b: int, scratch: torch.Tensor, subtract: bool):
-    """Row blocks a..b-1 unpacked into ``scratch`` as int8 [32*(b-a), K] (K contiguous per output row): q, or q - z
-    when ``subtract``. Scratch holds 1.5 bytes per weight (the int8 rows, then the int32 transposition buffer)."""
-    n, k = (b - a) * BLOCK_N, qweight.shape[1] * block_k(group_size)
-    w = _unpack_into(qweight, group_size, a, b, scratch[: n * k], scratch[n * k : n * k + n * k // 2].view(torch.int32))
-    if subtract:
-        gc = k // group_size
-        w.view(n, gc, group_size).sub_(zeros[a:b].permute(0, 2, 1).reshape(n, gc, 1))
-    return w
-
-
-def _pick_backend(backend: str | None) -> str:
-    if backend is None:
-        return "int_mm" if has_vnni() else "fp32"
-    if backend not in ("int_mm", "fp32"):
-        raise EdgeqError(f"w4a8_linear: unknown backend {backend!r}; use 'int_mm' or 'fp32'")
-    return backend
-
-
-def _fma_probe_case(m: int, cols: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random fp32 (t [m, cols], s [cols], c [m, cols]) over wide magnitudes, plus planted cases where an FMA, a
-    multiply-then-add and a double-rounded float64 FMA all give different answers."""
-    def wide(*shape, lo, hi):
-        e = torch.randint(lo, hi, shape, generator=g).to(torch.float32)
-        return torch.randn(*shape, generator=g) * torch.exp2(e)
-    t, sw, c = wide(m, cols, lo=-20, hi=20), wide(cols, lo=-20, hi=20), wide(m, cols, lo=-45, hi=45)
-    one = 1.0 + 2.0**-12  # one*one = 1 + 2^-11 + 2^-24: a tie when rounded to fp32
-    t[:, 0], sw[0], c[:, 0] = one, one, -1.0  # fma 2^-11 + 2^-24, mul-then-add 2^-11
-    if cols > 1:
-        t[:, -1], sw[-1], c[:, -1] = one, one, 2.0**-80  # fma rounds up; a float64 sum rounded again rounds down
-    return t, sw, c
-
-
-@lru_cache(maxsize=None)
-def addcmul_is_fma() -> bool:
-    """Does ``c.addcmul_(t, s)`` (ATen: ``self + value * t1 * t2``) round once, like an FMA, on this torch build?
-
-    Compiled with contraction (GCC's default in GNU mode), every lane computes fma(t1, t2, self); otherwise it rounds
-    twice. Checked against the exact float64 emulation on vector lanes and tails, in the layout the portable path
-    uses (c and t contiguous [M, cols], s broadcast along M), including planted cases that separate the three
-    candidate roundings. Only if every element agrees is addcmul used as the FMA.
-    """
-    g = torch.Generator().manual_seed(20240607)
-    for m, cols in ((1, 1), (1, 37), (3, 64), (2, 1000), (7, 96)):
-        t, sw, c = _fma_probe_case(m, cols, g)
-        got = c.clone().addcmul_(t, sw)
-        want = fma_f32(t, sw.expand(m, cols), c)
-        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
-            return False
-    return True
-
-
-def _pick_fma(fma: str | None) -> str:
-    if fma is None:
-        return "addcmul" if addcmul_is_fma() else "exact"
-    if fma not in ("addcmul", "exact"):
-        raise EdgeqError(f"w4a8_linear: unknown fma {fma!r}; use 'addcmul' or 'exact'")
-    return fma
-
-
-def _chunk_blocks(m: int, k: int, kc: int, nc: int, budget: int, backend: str, exact: bool, blockdiag: bool) -> int:
-    """32-row blocks per chunk so the chunk's scratch fits ``budget`` bytes: the unpacked weights [cols, K] (1.5 bytes
-    each, + an fp32 copy for the fp32 backend), and per output column int32 products, fp32 scaled products and the
-    fp32 accumulator (+ two float64 temporaries for the exact FMA); block-diagonal products hold all K blocks."""
-    per_col = k * 3 // 2 + (4 * k if backend == "fp32" else 0) + m * (4 + (16 if exact else 0))
-    per_col += m * 8 * (kc if blockdiag else 1)
-    return max(1, min(nc, budget // (per_col * BLOCK_N)))
-
-
-def _block_products(q_a, s_a, w, z, bk: int, backend: str, blockdiag: bool):
-    """Yield, for each K block in order, t = fp32(acc) * s_a as fp32 [M, cols], where acc is the exact int32 dot
-    product of q_a [M, K] with w - z over the block. Per block, w [cols, K] holds q - z (``z is None``); for the
-    block-diagonal product it holds q, and z [K/bk, cols] is applied as acc = q_a . q - z * sum(q_a over the block),
-    the same integer, which saves a pass over the weights when M is small.
-
-    ``blockdiag`` (small M * Kc): one GEMM of the block-diagonal [M*Kc, K] activation matrix (row m*Kc + kb holds
-    q_a's block kb, zeros elsewhere) against all of w gives every block's products at once: Kc times the
-    multiply-adds, but one call instead of Kc, which pays while M is small and reading the weight dominates.
-    """
-    m, k = q_a.shape
-    kc = k // bk
-    mm = torch._int_mm if backend == "int_mm" else torch.mm
-    if blockdiag:
-        a = torch.zeros(m, kc, kc, bk, dtype=q_a.dtype)
-        a.diagonal(dim1=1, dim2=2).copy_(q_a.view(m, kc, bk).permute(0, 2, 1))
-        acc = mm(a.view(m * kc, k), w.t()).view(m, kc, -1)
-        if z is not None:
-            acc -= q_a.view(m, kc, bk).sum(-1, dtype=acc.dtype).unsqueeze(2) * z
-        t = acc.to(torch.float32).mul_(s_a.unsqueeze(2))  # int32 -> fp32 is exact below 2^24; one fp32 rounding
-        for kb in range(kc):
-            yield t[:, kb]
-        return
-    acc = torch.empty(m, w.shape[0], dtype=torch.int32 if backend == "int_mm" else torch.float32)
-    t = torch.empty(m, w.shape[0])
-    wt = w.t()  # [K, cols], column-major: each block is a plain slice of rows
-    for kb in range(kc):
-        ks = slice(kb * bk, (kb + 1) * bk)
-        mm(q_a[:, ks], wt[ks], out=acc)
-        yield t.copy_(acc).mul_(s_a)  # the same buffer each block: consumed before the next
-
-
-def w4a8_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    *,
-    fused: bool = True,
-    backend: str | None = None,
-    fma: str | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    scratch_bytes: int = 2 << 20,
-    blockdiag_rows: int = 128,
-    name: str = "w4a8_linear",
-) -> torch.Tensor:
-    """y = x @ W.T (+ bias) with the W4A8 kernel's arithmetic, bit for bit: x bf16/fp32 [..., K] -> bf16 [..., N].
-
-    Reads the packed tensors directly, unpacking a chunk of 32-row blocks at a time into a bounded scratch
-    (``scratch_bytes``, freed on return): no second copy of the weight persists. Integer block dot products run on
-    ``torch._int_mm`` (``backend="int_mm"``, default where the CPU has AVX512-VNNI/AMX) or an fp32 GEMM on the
-    integer values (``"fp32"``; exact: |q_a| <= 127, |q - z| <= 15, so every product and partial sum over
-    bk <= 128 inputs is an integer below 127*15*128 = 243840 < 2^24). Both give identical bits.
-    The FMA is ``torch.addcmul`` where :func:`addcmul_is_fma` holds on this build (``fma="addcmul"``), else the
-    float64 emulation (``fma="exact"``); ``fused=False`` replaces it by a rounded multiply then a rounded add.
-    ``out_dtype=torch.float32`` returns the fp32 accumulator (the kernel's fp32 output). Products are computed per
-    K block, or all at once through a block-diagonal activation matrix when M * K/bk <= ``blockdiag_rows``
-    (decode); both give the same integers.
-    """
-    n, k = check_packed(name, qweight, scales, zeros, group_size)
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != k:
-        raise EdgeqError(f"{name}: expected x bf16/fp32 [..., {k}], got {x.dtype} {list(x.shape)}")
-    if bias is not None and list(bias.shape) != [n]:
-        raise EdgeqError(f"{name}.bias: expected [{n}], got {list(bias.shape)}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise EdgeqError(f"{name}: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    backend, fma = _pick_backend(backend), _pick_fma(fma)
-    exact = fused and fma == "exact"
-    CALLS["w4a8_linear"] += 1
-    lead, x2 = x.shape[:-1], x.reshape(-1, k)
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype)
-    if m == 0:
-        return out.reshape(*lead, n)
-    q_a, s_a = quantize_activations(x2)
-    s_a = s_a.unsqueeze(1)
-    if backend == "fp32":
-        q_a = q_a.to(torch.float32)
-    bk = block_k(group_size)
-    kc, nc = k // bk, n // BLOCK_N
-    blockdiag = m * kc <= blockdiag_rows
-    step = _chunk_blocks(m, k, kc, nc, scratch_bytes, backend, exact, blockdiag)
-    scratch = torch.empty(k * step * BLOCK_N * 3 // 2, dtype=torch.int8)
-    b32 = bias.to(torch.float32) if bias is not None else None
-    path = f"fma_{fma if fused else 'unfused'}"
-    for a in range(0, nc, step):
-        b = min(nc, a + step)
-        cols = (b - a) * BLOCK_N
-        w = _centered_block(qweight, zeros, group_size, a, b, scratch, subtract=not blockdiag)
-        if backend == "fp32":
-            w = w.to(torch.float32)
-        s_w = unpack_params(scales[a:b])
-        z = unpack_params(zeros[a:b]).to(q_a.dtype if backend == "fp32" else torch.int32) if blockdiag else None
-        c = torch.zeros(m, cols)
-        if b32 is not None:
-            c.copy_(b32[a * BLOCK_N : b * BLOCK_N].expand(m, cols))
-        p = s = None
-        if exact:
-            p, s = torch.empty(m, cols, dtype=torch.float64), torch.empty(m, cols, dtype=torch.float64)
-        for kb, t in enumerate(_block_products(q_a, s_a, w, z, bk, backend, blockdiag)):
-            sw = s_w[kb * bk // group_size]
-            if not fused:
-                c.add_(t * sw)
-            elif exact:
-                fma_into(t, sw.to(torch.float64), c, p, s)
-            else:
-                c.addcmul_(t, sw)  # fma(t, sw, c) on this build: checked by addcmul_is_fma()
-        CALLS[f"blocks_{backend}"] += kc * (b - a)
-        CALLS[path] += kc * (b - a)
-        out[:, a * BLOCK_N : b * BLOCK_N] = c
-    return out.reshape(*lead, n)
 
 
 def nbytes(n: int, k: int, group_size: int) -> int:
@@ -502,6 +288,21 @@ class _W4A8:
     def nbytes(self, n: int, k: int, group_size: int, perm: bool = False) -> int:
         return nbytes(n, k, group_size)
 
+    def read_record(self, stored, config_copy, group_size: int, directory) -> dict:
+        """The layout record of a G = ``group_size`` checkpoint: the manifest's (``stored``) and config.json's copy
+        must both equal :func:`fingerprint` exactly -- the bytes are fixed by the kernel's source, so there is nothing
+        to repack and a different record is refused, naming ``directory``, the file and both records' versions."""
+        want = fingerprint(group_size)
+        for label, record in ((MANIFEST, stored), ("config.json quantization_config", config_copy)):
+            if record != want:
+                got = record if isinstance(record, dict) else {}
+                raise EdgeqError(
+                    f"{directory}: {label} layout record (op {got.get('op')!r}, version {got.get('version')!r}, "
+                    f"block_k {got.get('block_k')!r}, hash {str(got.get('layout_hash'))[:12]}) is not the amx_w4a8 "
+                    f"layout this edgeq reads (version {want['version']}, block_k {want['block_k']}, hash "
+                    f"{want['layout_hash'][:12]}); re-quantise with this edgeq or upgrade edgeq")
+        return dict(want)
+
     def rule(self, n: int, k: int, group_size: int) -> str | None:
         bk = block_k(group_size)
         if n % BLOCK_N:
@@ -516,3 +317,15 @@ class _W4A8:
 
 
 LAYOUT = _W4A8()
+
+
+# Aliases to sweep: the portable path moved to edgeq.runtime.w4a8_compute (compute is the runtime's; this module is
+# bytes). Callers outside the runtime's owner (route/timing.py, tests/test_native_w4a8.py, benchmarks/bench_w4a8.py,
+# benchmarks/probes.py) still reach it here, resolved on first use; remove once they import the runtime module.
+_MOVED = {"w4a8_linear": "w4a8_linear", "addcmul_is_fma": "addcmul_is_fma", "CALLS": "PROCESS_COUNTS"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        return getattr(importlib.import_module("edgeq.runtime.w4a8_compute"), _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
