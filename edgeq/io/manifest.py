@@ -7,8 +7,8 @@ Keys (format_version 1)::
     kernel          "tinygemm_w4a16"         the path the runtime must use
     layout          TinygemmLayout.to_json(): op, torch_version, cpu_capability, block_n, layout_hash, perms
     head            {"name": "lm_head", "quantized": true, "source": <input tensor>, "untied": bool}
-    quantized_modules       [module names, head included]
-    modules_not_converted   {module: reason}
+    quantized_modules       [module names, head included]: a non-empty list, or the manifest is refused
+    modules_not_converted   {module: reason} (a list of names, as early checkpoints wrote it, reads as reason "")
     shards          {file name: sha256}
     tensors         {output tensor: {"role", "source", "dtype", "shape"}}
     created_by      {"edgeq": version, "torch": version}
@@ -29,9 +29,29 @@ from pathlib import Path
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
 
-from edgeq.keys import FORMAT_VERSION, MANIFEST, Kernel
+from edgeq.keys import FORMAT_VERSION, HEAD_MODULE, MANIFEST, Kernel
 
 KERNELS = tuple(k.value for k in Kernel)
+
+
+def read_json(path: Path, missing_hint: str = "") -> dict:
+    """The JSON object in ``path``; an :class:`EdgeqError` naming the file when it is missing (plus ``missing_hint``,
+    e.g. "; run `edgeq quantize` first"), not JSON, or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise EdgeqError(f"{path}: missing{missing_hint}") from e
+    except ValueError as e:
+        raise EdgeqError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise EdgeqError(f"{path}: expected a JSON object")
+    return data
+
+
+def head_refusal(where: str, name: str) -> EdgeqError:
+    """The refusal of a manifest whose output head ``name`` is not recorded as quantised (flag or module list)."""
+    return EdgeqError(f"{where}: the output head {name!r} is not recorded as quantised; edgeq checkpoints always "
+                      "quantise the head, re-quantise")
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,10 @@ class Manifest:
     created_by: dict
     group_sizes: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # top-level keys this version does not model, kept as read
+
+    @property
+    def head_name(self) -> str:
+        return str(self.head.get("name", HEAD_MODULE))
 
     def group_size(self, module: str) -> int:
         """The group size ``module`` was quantised with: its ``group_sizes`` entry, else the scheme's."""
@@ -79,14 +103,19 @@ class Manifest:
             raise EdgeqError(f"{where}: unknown kernel {d.get('kernel')!r} (known: {', '.join(KERNELS)})")
         head = d.get("head") or {}
         if head.get("quantized") is not True:
-            raise EdgeqError(f"{where}: the output head is not recorded as quantised; edgeq checkpoints always quantise it")
+            raise head_refusal(where, head.get("name", HEAD_MODULE))
+        modules = d.get("quantized_modules")
+        if not isinstance(modules, list) or not modules or not all(isinstance(x, str) for x in modules):
+            raise EdgeqError(f"{where}: quantized_modules must be a non-empty list of module names")
+        kept = d.get("modules_not_converted") or {}
         try:
             return cls(
                 format_version=version, scheme=str(d["scheme"]), method=str(d["method"]), kernel=Kernel(d["kernel"]),
-                layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(d["quantized_modules"]),
-                modules_not_converted=dict(d.get("modules_not_converted", {})), shards=dict(d["shards"]),
+                layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(modules),
+                modules_not_converted=dict.fromkeys(kept, "") if isinstance(kept, list) else dict(kept),
+                shards=dict(d["shards"]),
                 tensors=dict(d.get("tensors", {})), created_by=dict(d.get("created_by", {})),
-                group_sizes={str(m): int(g) for m, g in dict(d.get("group_sizes", {})).items()},
+                group_sizes=_group_sizes(where, d.get("group_sizes"), modules),
                 extra={k: v for k, v in d.items() if k not in _FIELDS},
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -94,6 +123,22 @@ class Manifest:
 
 
 _FIELDS = frozenset(f for f in Manifest.__dataclass_fields__ if f != "extra")
+
+
+def _group_sizes(where: str, record, modules: list[str]) -> dict[str, int]:
+    """The optional ``{module: G}`` record, checked: an object whose keys are quantised modules and whose values are
+    integers (whether the kernel takes that G is the layout's question: :func:`edgeq.runtime.qinfo.read_checkpoint`)."""
+    if record is None:
+        return {}
+    where = f"{where}: group_sizes"
+    if not isinstance(record, dict):
+        raise EdgeqError(f"{where} must be an object of module -> group size; re-quantise the checkpoint")
+    for module, g in record.items():
+        if module not in modules:
+            raise EdgeqError(f"{where} names {module!r}, which is not a quantised module; the checkpoint is inconsistent")
+        if isinstance(g, bool) or not isinstance(g, int):
+            raise EdgeqError(f"{where}[{module!r}] = {g!r} is not a group size (an integer); re-quantise the checkpoint")
+    return dict(record)
 
 
 def read_manifest(directory: Path) -> Manifest:
