@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-import warnings
+
+from edgeq.integrations.registration import STATE as _state
+from edgeq.integrations.registration import EdgeqIntegrationWarning, register, warn_failure
+
+__all__ = ["EdgeqIntegrationWarning", "install_transformers", "register_transformers"]
 
 REGISTRY = "transformers.quantizers.auto"  # the module that defines register_quantizer / register_quantization_config
 INTEGRATION = "edgeq.integrations.transformers"  # edgeq's config and quantizer classes
-
-
-class EdgeqIntegrationWarning(UserWarning):
-    """edgeq could not register itself with a library (the message says why and what to use instead)."""
-
-
-_state = {"registered": False, "warned": False}
 
 
 def install_transformers() -> None:
@@ -47,22 +44,10 @@ def register_transformers() -> bool:
         return False  # the hook fired while that module imports transformers' registry: its last line registers
     try:
         from edgeq.integrations import transformers as integration  # noqa: PLC0415 - needs transformers' registry
-
-        if not _state["registered"]:  # its import may have registered already (its last line)
-            integration.register()
     except Exception as e:  # noqa: BLE001 - a transformers we do not understand must not break anyone's import
-        _warn_once(f"edgeq could not register its transformers quantizer ({type(e).__name__}: {e}); "
-                   "AutoModelForCausalLM.from_pretrained on an edgeq checkpoint will NOT load its weights here. "
-                   "Use edgeq.runtime.load(path) instead (docs/transformers.md)")
+        warn_failure(e)
         return False
-    _state["registered"] = True
-    return True
-
-
-def _warn_once(message: str) -> None:
-    if not _state["warned"]:
-        _state["warned"] = True
-        warnings.warn(message, EdgeqIntegrationWarning, stacklevel=3)
+    return register(integration)  # a no-op when its import registered already (its last line)
 
 
 class _Loader(importlib.abc.Loader):

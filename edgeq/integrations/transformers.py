@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,6 @@ def finish(model, state: EdgeqState) -> None:
 
 # Importing this module first (before transformers' registry) fires the registry's import hook while this module is
 # half-built; the hook then leaves the registration to this line.
-from edgeq.integrations import register_transformers  # noqa: E402
+from edgeq.integrations.registration import register as _register  # noqa: E402
 
-register_transformers()
+_register(sys.modules[__name__])
