@@ -2,8 +2,8 @@
 runtime loads it zero-copy onto W4A8Linear and says which path runs, and the logits match a reference whose Linear
 weights are the W4A8-dequantised values, within the activation quantisation error.
 
-Until the lead wires the hooks into edgeq/convert/pipeline.py and edgeq/runtime/loader.py, ``_quantize`` / ``_load`` fall back
-to calling edgeq.convert.w4a8 / edgeq.runtime.w4a8linear directly (the same functions the hooks call).
+Until the lead wires the hook into edgeq/convert/pipeline.py, ``_quantize`` falls back to calling edgeq.convert.w4a8
+directly (the same functions the hook calls).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
 from edgeq.quantize.w4a8 import dequantize_w4a8, quantize_w4a8
 from edgeq.runtime import w4a8linear
+from edgeq.runtime.qinfo import read_checkpoint
 from edgeq.scheme import Scheme
 
 FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
@@ -82,30 +83,13 @@ def _quantize(src: Path, out: Path, scheme: str = "w4a8-g128", method: str = "rt
 
 
 def _load(path: Path):
-    """(model, settings dict, path counts) through edgeq.runtime.load, or the loader hook's calls."""
+    """(model, settings dict, path counts) through edgeq.runtime.load."""
     from edgeq.runtime import load
 
-    try:
-        lm = load(path, max_model_len=128, kv_cache_bytes=4 << 20)
-        s = lm.settings
-        return lm.model, {"decode_path": s.decode_path, "prefill_path": s.prefill_path,
-                          "note": getattr(s, "path_note", ""), "mapped": s.mapped_bytes, "copied": s.copied_bytes}, lm.path_counts
-    except EdgeqError as e:
-        if "not one this runtime runs" not in str(e):
-            raise
-    from edgeq.io import skeleton
-    from edgeq.io.mapped import MappedFiles
-
-    config_dict = json.loads((path / "config.json").read_text())
-    info = w4a8linear.read_info(path, config_dict)
-    files = MappedFiles(path)
-    model = skeleton.build_meta_model(skeleton.load_config(path), torch.bfloat16)
-    counts: Counter = Counter()
-    consumed, mapped, copied, settings = w4a8linear.swap_w4a8(model, files, info, counts)
-    stats = skeleton.attach(model, files, torch.bfloat16, consumed, tie_head=False)
-    model._edgeq_files = files
-    return model, {**settings, "note": settings["w4a8_kernel"], "mapped": mapped + stats["mapped"],
-                   "copied": copied + stats["copied"]}, counts
+    lm = load(path, max_model_len=128, kv_cache_bytes=4 << 20)
+    s = lm.settings
+    return lm.model, {"decode_path": s.decode_path, "prefill_path": s.prefill_path,
+                      "note": s.path_note, "mapped": s.mapped_bytes, "copied": s.copied_bytes}, lm.path_counts
 
 
 # --- fixtures ---------------------------------------------------------------------------------------------------------
@@ -293,20 +277,22 @@ def test_loader_refuses_a_foreign_layout_record_and_inconsistent_kernels(tiny_w4
     import shutil
 
     config = json.loads((tiny_w4a8 / "config.json").read_text())
-    assert w4a8linear.read_info(tiny_w4a8, config).scheme == Scheme.parse("w4a8-g64")
+    assert read_checkpoint(tiny_w4a8, config).scheme == Scheme.parse("w4a8-g64")
     bad = tmp_path / "bad"
     shutil.copytree(tiny_w4a8, bad)
     m = json.loads((bad / "edgeq_manifest.json").read_text())
     m["layout"]["version"] = 2
     (bad / "edgeq_manifest.json").write_text(json.dumps(m))
     with pytest.raises(EdgeqError, match=r"layout record .*version 2.*this edgeq reads \(version 1"):
-        w4a8linear.read_info(bad, config)
+        read_checkpoint(bad, config)
     config2 = json.loads(json.dumps(config))
     config2["quantization_config"]["kernel"] = "tinygemm_w4a16"
     with pytest.raises(EdgeqError, match="config.json says kernel 'tinygemm_w4a16' but edgeq_manifest.json says 'amx_w4a8'"):
-        w4a8linear.read_info(tiny_w4a8, config2)
-    plain = {"model_type": "llama"}
-    assert w4a8linear.read_info(tiny_w4a8, plain) is None
+        read_checkpoint(tiny_w4a8, config2)
+    plain = {"model_type": "llama"}  # a plain HF config: not an edgeq checkpoint (nor, beside a manifest, a valid one)
+    assert read_checkpoint(tmp_path, plain) is None
+    with pytest.raises(EdgeqError, match="has edgeq_manifest.json but config.json has no quantization_config"):
+        read_checkpoint(tiny_w4a8, plain)
 
 
 def test_swap_names_a_missing_tensor(tiny_w4a8):
@@ -320,7 +306,7 @@ def test_swap_names_a_missing_tensor(tiny_w4a8):
             return name in self.names
 
     config = json.loads((tiny_w4a8 / "config.json").read_text())
-    info = w4a8linear.read_info(tiny_w4a8, config)
+    info = read_checkpoint(tiny_w4a8, config)
     model = skeleton.build_meta_model(skeleton.load_config(tiny_w4a8), torch.bfloat16)
     first = info.quantized_modules[0]
     with pytest.raises(EdgeqError, match=f"{first}: the checkpoint has no {first}.qweight"):

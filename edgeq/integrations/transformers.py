@@ -39,9 +39,9 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from edgeq.errors import EdgeqError
+from edgeq.keys import MANIFEST, QUANT_METHOD
 
-METHOD = "edgeq"
-MANIFEST = "edgeq_manifest.json"
+METHOD = QUANT_METHOD
 LEGACY_SKIP_KEY = "modules_not_converted"  # the skip list's name before the HF spelling modules_to_not_convert
 
 
@@ -85,7 +85,7 @@ class EdgeqState:
     kernel: str
     scheme: str
     files: object  # edgeq.io.mapped.MappedFiles
-    info: object  # the validated QuantInfo / W4A8Info
+    info: object  # the validated edgeq.runtime.qinfo.QuantInfo
     consumed: frozenset[str]
     mapped_bytes: int  # quantised-module bytes used in place from the mapped files
     copied_bytes: int  # bytes materialised (a layout repack, a non-bf16 bias)
@@ -95,6 +95,7 @@ class EdgeqState:
     path_counts: Counter = field(default_factory=Counter)
     prefill_crossover: int | None = None
     crossover_source: str = "n/a"
+    swapped: object | None = None  # the runtime's edgeq.runtime.swap.SwapResult (paths, bytes, kernel choice)
 
     def ignore_pattern(self) -> str:
         """One regex matching exactly the checkpoint tensors the edgeq modules consume."""
@@ -212,42 +213,31 @@ def _plain_torch():
 
 def swap_modules(model, directory: Path) -> EdgeqState:
     """Validate ``directory`` as edgeq's loader does and replace every quantised Linear of the (meta) ``model`` with
-    edgeq's module over the mapped packed bytes, through the loader's own swap functions."""
-    from edgeq.runtime import loader, w4a8linear  # noqa: PLC0415
-    from edgeq.runtime.qinfo import read_json, read_quant_info  # noqa: PLC0415
+    edgeq's module over the mapped packed bytes, through the runtime's own swap (:func:`edgeq.runtime.swap.swap`)."""
+    from edgeq.io.manifest import read_json  # noqa: PLC0415
     from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
+    from edgeq.runtime.qinfo import read_checkpoint  # noqa: PLC0415
+    from edgeq.runtime.swap import swap  # noqa: PLC0415
 
     with _plain_torch():
-        config = read_json(directory / "config.json")
-        w4 = w4a8linear.read_info(directory, config)
-        info = w4 or read_quant_info(directory, config)
+        info = read_checkpoint(directory, read_json(directory / "config.json"))
         if info is None:
             raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
         files, counts = MappedFiles(directory), Counter()
-        runtime, note = None, ""
-        if w4:
-            consumed, mapped, copied, settings = w4a8linear.swap_w4a8(model, files, w4, counts)
-            layout, note = "native", settings["w4a8_kernel"]
-        else:
-            runtime, consumed, copied, mapped, layout = loader._swap_quantized(model, files, info, counts, False)
+        swapped = swap(model, files, info, counts, strict_layout=False, stacklevel=2)  # warns at the hook
     return EdgeqState(path=directory, kernel=info.kernel, scheme=str(info.scheme), files=files, info=info,
-                      consumed=frozenset(consumed), mapped_bytes=mapped, copied_bytes=copied, layout=layout,
-                      runtime=runtime, kernel_note=note, path_counts=counts)
+                      consumed=swapped.consumed, mapped_bytes=swapped.mapped_bytes, copied_bytes=swapped.copied_bytes,
+                      layout=swapped.layout, runtime=swapped.runtime, kernel_note=swapped.note, path_counts=counts,
+                      swapped=swapped)
 
 
 def finish(model, state: EdgeqState) -> None:
     """After transformers loaded the other tensors: the W4A16 prefill scratch and crossover, as load() sets them."""
-    if state.runtime is None:
-        return
-    from edgeq.runtime import loader  # noqa: PLC0415
-    from edgeq.runtime.qlinear import scratch_for  # noqa: PLC0415
+    from edgeq.runtime.swap import finish as finish_swap  # noqa: PLC0415
 
     with _plain_torch():
-        quantized = [m for m in model.modules() if getattr(m, "edgeq_quantized", False)]
-        state.runtime.scratch = scratch_for(quantized)
-        state.prefill_crossover, state.crossover_source = loader._crossover(state.runtime, quantized, state.info, None)
-        state.runtime.prefill_threshold = state.prefill_crossover
-    state.path_counts.clear()  # the crossover probe's calls are not the model's
+        state.swapped = finish_swap(state.swapped, model, state.info)
+    state.prefill_crossover, state.crossover_source = state.swapped.prefill_crossover, state.swapped.crossover_source
 
 
 # Importing this module first (before transformers' registry) fires the registry's import hook while this module is

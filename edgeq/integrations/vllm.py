@@ -27,10 +27,8 @@ crossover (default: measured once per process on the largest non-head layer, as 
 from __future__ import annotations
 
 import os
-import threading
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +36,20 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
+from edgeq.env import STRICT_LAYOUT
 from edgeq.errors import EdgeqError
 from edgeq.integrations import vllm_slices as cuts
+from edgeq.integrations import vllm_state as state  # the per-process state and the edgeq_vllm::linear op
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as w4a8_layout
-from edgeq.runtime import crossover, w4a8linear
-from edgeq.runtime.loader import LayoutRepackWarning, layout_refusal, repack_warning
-from edgeq.runtime.qinfo import MANIFEST, read_json, read_quant_info
-from edgeq.runtime.qlinear import Int4Linear, Runtime, Scratch, _native
+from edgeq.io.manifest import read_json
+from edgeq.io.safetensors import DTYPES
+from edgeq.keys import CONFIG, MANIFEST
+from edgeq.layouts.base import get
+from edgeq.runtime.qinfo import KERNELS, QuantInfo, read_checkpoint
+from edgeq.runtime import w4a8linear
+from edgeq.runtime.qlinear import Int4Linear, Scratch, layout_refusal, repack_warning
+from edgeq.runtime.swap import LayoutRepackWarning
 
 from vllm.model_executor.layers.linear import (
     LinearBase,
@@ -62,10 +66,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 NAME = "edgeq"
-ENV_STRICT = "EDGEQ_STRICT_LAYOUT"
-ENV_THRESHOLD = "EDGEQ_PREFILL_THRESHOLD"
+ENV_STRICT = STRICT_LAYOUT
 W4A16, W4A8 = tinygemm.KERNEL, w4a8_layout.KERNEL
-PARTS = {W4A16: ("qweight", "scales_and_zeros"), W4A8: ("qweight", "scales", "zeros")}
 
 
 def register() -> None:
@@ -85,94 +87,6 @@ def _checkpoint_dir(model: str, revision: str | None) -> Path:
     return Path(snapshot_download(model, revision=revision, allow_patterns=["config.json", MANIFEST]))
 
 
-# --- per-process state (never pickled with the config) -------------------------------------------------------------
-
-
-class _Process:
-    """What one vLLM worker process shares across layers: the W4A16 runtime (layout, kernel choice, scratch,
-    threshold), the W4A8 kernel choice, the served modules by prefix, and the repack tally for the warning."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.runtime: Runtime | None = None
-        self.w4a8_choice = None
-        self.counts: Counter = Counter()
-        self.served: dict[str, _Served] = {}
-        self.created = self.processed = 0
-        self.repacked = self.repacked_bytes = 0
-        self.repack_seconds = 0.0
-
-    def w4a16_runtime(self) -> Runtime:
-        if self.runtime is None:
-            here = tinygemm.probe()
-            native = _native()
-            supported = native is not None and _supports(native, here)
-            self.runtime = Runtime(layout=here, counts=self.counts, native=native if supported else None)
-            self.runtime.prefill_threshold = None  # set by _threshold() before the first call
-        return self.runtime
-
-    def choice(self, group_size: int):
-        if self.w4a8_choice is None:
-            self.w4a8_choice = w4a8linear.choose_kernel(group_size)
-        return self.w4a8_choice
-
-
-def _supports(native, layout) -> bool:
-    try:
-        return bool(native.supports(layout))
-    except Exception:  # noqa: BLE001 - as the loader: a kernel that cannot say is not used
-        return False
-
-
-_STATE = _Process()
-
-
-@dataclass
-class _Served:
-    """One served layer: the runtime module over its parameters, and the output width vLLM expects (the padded
-    vocabulary slice for the head; the kernel computes ``n`` rows, the rest are zeros)."""
-
-    module: Any
-    n_out: int
-    head: bool
-
-
-def _threshold(rt: Runtime) -> int:
-    """The W4A16 prefill crossover: ``$EDGEQ_PREFILL_THRESHOLD``, else measured (and cached) on the largest
-    non-head layer of this process, as :func:`edgeq.runtime.load` does."""
-    if rt.prefill_threshold is None:
-        fixed = os.environ.get(ENV_THRESHOLD)
-        if fixed:
-            if not fixed.isdigit() or int(fixed) < 1:
-                raise EdgeqError(f"${ENV_THRESHOLD}={fixed!r}: expected an integer >= 1 (1 = always dequantise)")
-            rt.prefill_threshold = int(fixed)
-        else:
-            body = [s.module for s in _STATE.served.values() if isinstance(s.module, Int4Linear) and not s.head]
-            layer = max(body or [s.module for s in _STATE.served.values()], key=lambda m: m.out_features * m.in_features)
-            rt.prefill_threshold = crossover.crossover(layer, rt.decode_path)[0]
-            rt.counts.clear()
-    return rt.prefill_threshold
-
-
-@torch.library.custom_op("edgeq_vllm::linear", mutates_args=())
-def _linear(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
-    """y [..., n_out] for the served layer ``key`` (its prefix): opaque to torch.compile."""
-    served = _STATE.served[key]
-    m = served.module
-    if isinstance(m, Int4Linear):
-        _threshold(m.runtime)
-    m.bias = bias  # vLLM passes the layer's bias (None with skip_bias_add); the module adds it as the runtime does
-    y = m.forward(x)
-    if served.n_out > m.out_features:
-        y = torch.nn.functional.pad(y, (0, served.n_out - m.out_features))
-    return y
-
-
-@_linear.register_fake
-def _linear_shape(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _STATE.served[key].n_out)
-
-
 # --- the config ----------------------------------------------------------------------------------------------------
 
 
@@ -184,8 +98,8 @@ class EdgeqConfig(QuantizationConfig):
         super().__init__()
         self.qc = dict(qc)
         self.kernel = str(qc.get("kernel", W4A16))
-        if self.kernel not in PARTS:
-            raise EdgeqError(f"quantization_config.kernel {self.kernel!r} is not one this edgeq serves ({', '.join(PARTS)})")
+        if self.kernel not in KERNELS:
+            raise EdgeqError(f"quantization_config.kernel {self.kernel!r} is not one this edgeq serves ({', '.join(KERNELS)})")
         self.group_size = int(qc.get("group_size", 128))
         self.stored: tinygemm.TinygemmLayout | None = None  # the W4A16 checkpoint's layout (manifest)
         self.not_converted: frozenset[str] = frozenset()
@@ -216,19 +130,17 @@ class EdgeqConfig(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
         """Read and validate the checkpoint as the runtime does; check the layout fingerprint against this machine."""
         directory = _checkpoint_dir(model_name, revision)
-        config = read_json(directory / "config.json")
-        w4 = w4a8linear.read_info(directory, config)  # the W4A8 record is fixed by the kernel: refused if different
-        info = w4 or read_quant_info(directory, config)
+        info = read_checkpoint(directory, read_json(directory / CONFIG))  # the runtime's reader, its refusals
         if info is None:
             raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
-        if _perm_modules(directory):
+        if _perm_modules(info):
             raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
                              "re-quantise without --act-order, or serve it with `edgeq serve`")
         self.kernel, self.group_size = info.kernel, info.scheme.group_size
-        self.group_sizes = dict(getattr(info, "group_sizes", ()) or ())  # a recipe's per-module G (W4A16 only)
+        self.group_sizes = dict(info.group_sizes)  # a recipe's per-module G
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
         self.head_name = info.head_name
-        if w4 is None:
+        if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
             layout_check(info.layout, tinygemm.probe(), strict=_flag(ENV_STRICT))
 
@@ -262,13 +174,13 @@ class EdgeqConfig(QuantizationConfig):
         return [f"{head}.{s}" if head else s for s in subs] if subs else [prefix]
 
 
-def _perm_modules(directory: Path) -> list:
-    return list(read_json(directory / MANIFEST).get("perm_modules") or [])
+def _perm_modules(info: QuantInfo) -> list:
+    return list(info.manifest.extra.get("perm_modules") or [])
 
 
 def layout_check(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout, *, strict: bool) -> bool:
     """True when the checkpoint must be repacked for ``here``; under ``strict`` a foreign layout is the runtime's
-    refusal (:func:`edgeq.runtime.loader.layout_refusal`)."""
+    refusal (:func:`edgeq.runtime.qlinear.layout_refusal`)."""
     foreign = not stored.is_compatible(here)
     if foreign and strict:
         raise EdgeqError(layout_refusal(stored, here, f"{ENV_STRICT}=1"))
@@ -325,8 +237,8 @@ class EdgeqLinearMethod(LinearMethodBase):
             layer.register_parameter(name, p)
             set_weight_attrs(p, {"weight_loader": self._loader(layer, name, geo, output_partition_sizes)})
         layer.edgeq_key = self.prefix
-        with _STATE.lock:
-            _STATE.created += 1
+        with state.STATE.lock:
+            state.STATE.created += 1
 
     def _block_n(self) -> int:
         if self.config.kernel == W4A8:
@@ -335,14 +247,9 @@ class EdgeqLinearMethod(LinearMethodBase):
         return max(here, self.config.stored.block_n) if self.config.stored else here
 
     def _shapes(self, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """The stored tensors of an [n, k] slice (docs/format.md, docs/w4a8.md)."""
-        g = self.group_size
-        if self.config.kernel == W4A16:
-            return [("qweight", (n, k // 2), torch.uint8), ("scales_and_zeros", (k // g, n, 2), torch.bfloat16)]
-        bk = w4a8_layout.block_k(g)
-        nb = n // cuts.W4A8_BLOCK_N
-        return [("qweight", (nb, k // bk, bk * 16 + 128), torch.uint8), ("scales", (nb, k // g, 32), torch.float32),
-                ("zeros", (nb, k // g, 32), torch.int8)]
+        """The stored tensors of an [n, k] slice: the kernel's layout's own list (docs/format.md, docs/w4a8.md)."""
+        specs = get(self.config.kernel).out_tensors("", n, k, self.group_size)
+        return [(name.removeprefix("."), shape, DTYPES[code][0]) for name, code, shape in specs]
 
     # loading -------------------------------------------------------------------------------------------------------
 
@@ -399,16 +306,16 @@ class EdgeqLinearMethod(LinearMethodBase):
                              "the checkpoint does not match its config")
 
     def _load_qweight(self, dst, loaded, n: int, k: int, rows, cols) -> None:
-        stored, rt = self.config.stored, _STATE.w4a16_runtime()
+        stored, rt = self.config.stored, state.STATE.w4a16_runtime()
         if stored is None or stored.is_compatible(rt.layout):
             cuts.copy_tinygemm(dst, loaded, n, k, rows, cols, stored or rt.layout)
             return
         t0 = time.perf_counter()
         dst.copy_(cuts.tinygemm_cut(loaded, n, k, rows, cols, stored, rt.layout))
-        with _STATE.lock:
-            _STATE.repacked += 1
-            _STATE.repacked_bytes += dst.numel()
-            _STATE.repack_seconds += time.perf_counter() - t0
+        with state.STATE.lock:
+            state.STATE.repacked += 1
+            state.STATE.repacked_bytes += dst.numel()
+            state.STATE.repack_seconds += time.perf_counter() - t0
 
     # after loading -------------------------------------------------------------------------------------------------
 
@@ -417,13 +324,13 @@ class EdgeqLinearMethod(LinearMethodBase):
         n_out = layer.qweight.shape[0] * (cuts.W4A8_BLOCK_N if self.config.kernel == W4A8 else 1)
         n = (layer.shard_indices.org_vocab_end_index - layer.shard_indices.org_vocab_start_index) if head else n_out
         module = self._module(layer, n)
-        with _STATE.lock:
-            _STATE.served[self.prefix] = _Served(module, n_out, head)
-            _STATE.processed += 1
-            done = _STATE.processed == _STATE.created
-        if done and _STATE.repacked:
-            warnings.warn(repack_warning(self.config.stored, _STATE.w4a16_runtime().layout, _STATE.repacked,
-                                         _STATE.repack_seconds, _STATE.repacked_bytes), LayoutRepackWarning,
+        with state.STATE.lock:
+            state.STATE.served[self.prefix] = state.Served(module, n_out, head)
+            state.STATE.processed += 1
+            done = state.STATE.processed == state.STATE.created
+        if done and state.STATE.repacked:
+            warnings.warn(repack_warning(self.config.stored, state.STATE.w4a16_runtime().layout, state.STATE.repacked,
+                                         state.STATE.repack_seconds, state.STATE.repacked_bytes), LayoutRepackWarning,
                           stacklevel=2)
 
     def _module(self, layer, n: int):
@@ -432,13 +339,13 @@ class EdgeqLinearMethod(LinearMethodBase):
         if self.config.kernel == W4A8:
             nb = n // cuts.W4A8_BLOCK_N
             return w4a8linear.W4A8Linear(self.prefix, layer.qweight.data[:nb], layer.scales.data[:nb],
-                                         layer.zeros.data[:nb], g, None, _STATE.counts, _STATE.choice(g))
-        rt = _STATE.w4a16_runtime()
+                                         layer.zeros.data[:nb], g, None, state.STATE.counts, state.STATE.choice(g))
+        rt = state.STATE.w4a16_runtime()
         sz = layer.scales_and_zeros.data
         if n < sz.shape[1]:
             sz = sz[:, :n].contiguous()  # the kernel reads [K/G, n, 2] densely; only the head's padding is dropped
         module = Int4Linear(self.prefix, layer.qweight.data[:n], sz, g, None, rt)
-        with _STATE.lock:
+        with state.STATE.lock:
             if rt.scratch is None or rt.scratch.elems < module.scratch_elems:
                 rt.scratch = Scratch(module.scratch_elems)
         return module

@@ -40,10 +40,9 @@ from functools import lru_cache
 import torch
 
 from edgeq.errors import EdgeqError
-from edgeq.keys import Kernel
+from edgeq.keys import MANIFEST, Kernel
 
 PACK_OP = "aten::_convert_weight_to_int4pack_for_cpu"
-MM_OP = "aten::_weight_int4pack_mm_for_cpu"
 KERNEL = Kernel.W4A16
 ROW_MULTIPLE = 16  # the pack op requires N % 16 == 0
 GROUP_SIZES = (32, 64, 128, 256)  # the mm op requires qGroupSize in this set
@@ -118,6 +117,20 @@ class TinygemmLayout:
 
     def is_compatible(self, other: "TinygemmLayout") -> bool:
         return self.op == other.op and self.layout_hash == other.layout_hash
+
+
+def config_layout_mismatch(record, layout: TinygemmLayout) -> str | None:
+    """None when config.json's layout record equals the manifest's fingerprint in every field (op, torch_version,
+    cpu_capability, block_n, layout_hash); else which field differs. The manifest's record is the one whose hash is
+    checked against its permutations; the copy in config.json has no permutations, so it is compared field by field
+    (an edited ``block_n`` or ``cpu_capability`` there would otherwise pass unnoticed)."""
+    record = record if isinstance(record, dict) else {}
+    want = layout.fingerprint()
+    for key in want:
+        if record.get(key) != want[key]:
+            return (f"config.json quantization_config.layout.{key} {str(record.get(key))[:16]!r} differs from the "
+                    f"manifest's {str(want[key])[:16]!r}")
+    return None
 
 
 def _op_pack(q: torch.Tensor) -> torch.Tensor:
@@ -303,6 +316,17 @@ class _Tinygemm:
 
     def nbytes(self, n: int, k: int, group_size: int, perm: bool = False) -> int:
         return nbytes(n, k, group_size, perm)
+
+    def read_record(self, stored, config_copy, group_size: int, directory) -> TinygemmLayout:
+        """The manifest's layout record ``stored`` parsed (hash checked against its permutations) and equal to
+        config.json's copy in every fingerprint field; the refusal names ``directory`` and the field. ``group_size``
+        is not part of a tinygemm record (its layout does not depend on G)."""
+        if not isinstance(stored, dict):
+            raise EdgeqError(f"{directory}/{MANIFEST}: no layout record; re-quantise or `edgeq repack` the checkpoint")
+        layout = TinygemmLayout.from_json(stored)
+        if problem := config_layout_mismatch(config_copy, layout):
+            raise EdgeqError(f"{directory}: {problem}; the checkpoint is inconsistent, re-quantise it")
+        return layout
 
     def rule(self, n: int, k: int, group_size: int) -> str | None:
         if k % group_size:

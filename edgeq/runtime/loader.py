@@ -1,17 +1,17 @@
 """``load(path)``: an edgeq checkpoint (or a plain bf16 HF checkpoint, the reference) ready to run.
 
-Steps: read config.json and the manifest (refusing what this version does not understand); re-run the layout probe
-and compare fingerprints (repack in memory with a warning, or refuse under ``strict_layout``); build the model on
-the meta device; swap every quantised Linear for :class:`Int4Linear` over the mapped packed bytes; attach every
-other tensor as a mapped view; allocate the static KV cache from the byte budget; size the shared prefill scratch;
-measure (or read from cache) the prefill crossover. The effective settings are read back from the built objects.
+Steps: read config.json and the manifest (:func:`edgeq.runtime.qinfo.read_checkpoint`, refusing what this version
+does not understand); check the scales; build the model on the meta device; swap every quantised Linear for the
+kernel's module over the mapped packed bytes (:func:`edgeq.runtime.swap.swap`: a W4A16 checkpoint packed for another
+layout is repacked in memory with a warning, or refused under ``strict_layout``); attach every other tensor as a
+mapped view; allocate the static KV cache from the byte budget; size the shared prefill scratch and measure (or read
+from cache) the prefill crossover (:func:`edgeq.runtime.swap.finish`); build the lean decoder. The effective
+settings are read back from the built objects (:class:`edgeq.runtime.swap.SwapResult`).
 """
 
 from __future__ import annotations
 
 import inspect
-import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,23 +19,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgeq import env
-from edgeq.io.hf import TOKENIZER_FILES
-from edgeq.io.safetensors import sha256_file
+from edgeq.env import DECODE_LOOP, choice
 from edgeq.errors import DamagedCheckpointError, EdgeqError
-from edgeq.layouts import tinygemm
-from edgeq.runtime import crossover, fused, lean
 from edgeq.io import skeleton
-from edgeq.runtime.kvcache import StaticKVCache, plan_kv
-from edgeq.runtime.qinfo import MANIFEST, QuantInfo, read_json, read_quant_info
-from edgeq.runtime import w4a8linear
-from edgeq.runtime.qlinear import Int4Linear, Runtime, _native, scratch_for
-from edgeq.runtime.sizes import format_bytes, parse_bytes
+from edgeq.io.hf import TOKENIZER_FILES
+from edgeq.io.manifest import read_json
 from edgeq.io.mapped import MappedFiles
-
-
-class LayoutRepackWarning(UserWarning):
-    """The checkpoint was packed for another kernel layout and was repacked in memory at load."""
+from edgeq.io.safetensors import sha256_file
+from edgeq.keys import CONFIG, MANIFEST
+from edgeq.runtime import fused, lean
+from edgeq.runtime.kvcache import StaticKVCache, plan_kv
+from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
+from edgeq.runtime.sizes import format_bytes, parse_bytes
+from edgeq.runtime.swap import LayoutRepackWarning, SwapResult, finish, swap  # noqa: F401 - LayoutRepackWarning: edgeq.runtime exports it from here
+from edgeq.runtime.swap import config_mismatches, packed_shape_error  # noqa: F401 - aliases to sweep (inspect/verify.py)
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ class RuntimeSettings:
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
-ENV_DECODE_LOOP = "EDGEQ_DECODE_LOOP"
+ENV_DECODE_LOOP = DECODE_LOOP
 
 
 class LoadedModel:
@@ -156,7 +153,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
     (:func:`verify_shards`; it reads the whole checkpoint once, see docs/runtime.md for the cost)."""
     path = Path(path)
-    if not (path / "config.json").exists():
+    if not (path / CONFIG).exists():
         raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
     if verify:
         verify_shards(path)
@@ -164,74 +161,63 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     if threads is not None:
         torch.set_num_threads(int(threads))
     budget = parse_bytes(kv_cache_bytes, "kv_cache_bytes")
-    config_dict = read_json(path / "config.json")
-    w4 = w4a8linear.read_info(path, config_dict)  # an amx_w4a8 checkpoint (None: W4A16 or plain HF)
-    info = w4 or read_quant_info(path, config_dict)
-    manifest = read_json(path / "edgeq_manifest.json") if info else None
+    info = read_checkpoint(path, read_json(path / CONFIG))  # None: a plain HF checkpoint
     if info and dtype != torch.bfloat16:
         raise EdgeqError(f"{path}: edgeq checkpoints run in bfloat16 (the kernel's activation type), not {dtype}")
     config = skeleton.load_config(path)
     files = MappedFiles(path)
+    counts: Counter = Counter()
+    model, swapped, attached = _build(config, files, info, counts, dtype, strict_layout)
+    plan, max_model_len = plan_kv(config, budget, max_model_len)
+    cache = StaticKVCache(plan, dtype=dtype)
+    if swapped is not None:
+        swapped = finish(swapped, model, info, prefill_threshold)
+    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts, decode_ops)
+    settings = RuntimeSettings(
+        quantized=bool(info), scheme=str(info.scheme) if info else None, max_model_len=max_model_len,
+        kv_cache_budget=budget, kv_cache_bytes=cache.allocated_bytes, kv_bytes_per_token=plan.bytes_per_token,
+        max_cached_tokens=cache.capacity, threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
+        mapped_bytes=attached["mapped"] + (swapped.mapped_bytes if swapped else 0),
+        copied_bytes=attached["copied"] + (swapped.copied_bytes if swapped else 0),
+        **_path_settings(swapped), decode_loop=loop_used, decode_loop_reason=loop_reason, **_lean_settings(decoder),
+        fused_mlps=fused.fuse_mlps(model),
+    )
+    _generation_config(model, path)
+    return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config,
+                       manifest=info.manifest if info else None, cache=cache, settings=settings, path_counts=counts,
+                       runtime=swapped.runtime if swapped else None, files=files, decoder=decoder)
+
+
+def _build(config, files: MappedFiles, info: QuantInfo | None, counts: Counter, dtype: torch.dtype, strict: bool):
+    """(model, SwapResult or None, attach stats): the meta model of ``config``, its quantised modules swapped in over
+    the mapped packed bytes (scales checked finite first), then every other tensor attached as a mapped view."""
     if info:
         check_scales(files, info.quantized_modules)
     model = skeleton.build_meta_model(config, dtype)
-    counts: Counter = Counter()
-    runtime = None
-    consumed: set[str] = set()
-    copied = qmapped = 0
-    layout_state = "n/a"
-    w4set: dict = {}
-    if w4:
-        consumed, qmapped, copied, w4set = w4a8linear.swap_w4a8(model, files, w4, counts)
-        layout_state = "native"  # fixed by the kernel's source: nothing to measure or repack
-    elif info:
-        runtime, consumed, copied, qmapped, layout_state = _swap_quantized(model, files, info, counts, strict_layout)
-    stats = skeleton.attach(model, files, dtype, consumed, tie_head=not info and bool(getattr(config, "tie_word_embeddings", False)))
-    copied += stats["copied"]
+    swapped = swap(model, files, info, counts, strict, stacklevel=3) if info else None  # warns at load()'s caller
+    tie = not info and bool(getattr(config, "tie_word_embeddings", False))
+    attached = skeleton.attach(model, files, dtype, set(swapped.consumed) if swapped else set(), tie_head=tie)
     if not info:
         _count_bf16_linears(model, counts)
-    plan, max_model_len = plan_kv(config, budget, max_model_len)
-    cache = StaticKVCache(plan, dtype=dtype)
-    source, xover = "n/a", None
-    quantized = [m for m in model.modules() if getattr(m, "edgeq_quantized", False)]
-    if runtime:
-        runtime.scratch = scratch_for(quantized)
-        xover, source = _crossover(runtime, quantized, info, prefill_threshold)
-        runtime.prefill_threshold = xover
-        counts.clear()
-    decoder, loop_used, loop_reason = _decoder(loop, model, config, cache, max_model_len, counts, decode_ops)
-    fused_mlps = fused.fuse_mlps(model)
-    settings = RuntimeSettings(
-        quantized=bool(info),
-        scheme=str(info.scheme) if info else None,
-        max_model_len=max_model_len,
-        kv_cache_budget=budget,
-        kv_cache_bytes=cache.allocated_bytes,
-        kv_bytes_per_token=plan.bytes_per_token,
-        max_cached_tokens=cache.capacity,
-        threads=torch.get_num_threads(),
-        kernel_paths=w4set["kernel_paths"] if w4 else ((str(info.scheme), f"{runtime.decode_path} (M < {xover}) + dequant_prefill (M >= {xover})"),) if info else (("bf16", "bf16"),),
-        decode_path=w4set["decode_path"] if w4 else runtime.decode_path if runtime else "bf16",
-        prefill_path=w4set["prefill_path"] if w4 else "dequant_prefill" if runtime else "bf16",
-        prefill_crossover=xover,
-        crossover_source=source,
-        layout=layout_state,
-        layout_hash=w4set["layout_hash"] if w4 else tinygemm.probe().layout_hash if info else None,
-        scratch_bytes=runtime.scratch.nbytes if runtime else 0,
-        mapped_bytes=stats["mapped"] + qmapped,
-        copied_bytes=copied,
-        dtype=str(dtype).removeprefix("torch."),
-        path_note=w4set.get("w4a8_kernel", ""),
-        decode_loop=loop_used,
-        decode_loop_reason=loop_reason,
-        decode_ops=decoder.ops if decoder is not None else "n/a",
-        decode_ops_reason=decoder.ops_reason if decoder is not None else "",
-        lean_bytes=decoder.owned_bytes if decoder is not None else 0,
-        fused_mlps=fused_mlps,
-    )
-    _generation_config(model, path)
-    return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config, manifest=manifest,
-                       cache=cache, settings=settings, path_counts=counts, runtime=runtime, files=files, decoder=decoder)
+    return model, swapped, attached
+
+
+def _path_settings(swapped: SwapResult | None) -> dict:
+    """The RuntimeSettings fields that say which compute paths run: the swap's, or the bf16 reference's."""
+    if swapped is None:
+        return dict(kernel_paths=(("bf16", "bf16"),), decode_path="bf16", prefill_path="bf16", prefill_crossover=None,
+                    crossover_source="n/a", layout="n/a", layout_hash=None, scratch_bytes=0, path_note="")
+    return dict(kernel_paths=swapped.kernel_paths, decode_path=swapped.decode_path, prefill_path=swapped.prefill_path,
+                prefill_crossover=swapped.prefill_crossover, crossover_source=swapped.crossover_source,
+                layout=swapped.layout, layout_hash=swapped.layout_hash, scratch_bytes=swapped.scratch_bytes,
+                path_note=swapped.note)
+
+
+def _lean_settings(decoder) -> dict:
+    """The RuntimeSettings fields of the lean decoder (n/a without one)."""
+    if decoder is None:
+        return dict(decode_ops="n/a", decode_ops_reason="", lean_bytes=0)
+    return dict(decode_ops=decoder.ops, decode_ops_reason=decoder.ops_reason, lean_bytes=decoder.owned_bytes)
 
 
 SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale and zero), amx_w4a8 (fp32 scales)
@@ -278,36 +264,9 @@ def verify_shards(path: Path) -> None:
                 f"after it was written (disk, copy or edit): re-copy it or re-quantise")
 
 
-def config_mismatches(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantized: dict[str, tuple[int, int]]) -> list[str]:
-    """What load refuses when config.json contradicts the tensors: for each quantised module ``(N, K)`` against the
-    Linear the config builds (:func:`packed_shape_error`), for each other stored tensor its shape against the
-    parameter or buffer of that name. ``model`` is the meta model of config.json; headers only, nothing read."""
-    problems = []
-    for name, nk in quantized.items():
-        try:
-            problem = packed_shape_error(name, nk, skeleton.quantized_target(model, name))
-        except EdgeqError as e:
-            problem = str(e)
-        if problem:
-            problems.append(problem)
-    expected = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
-    for name, shape in shapes.items():
-        want = expected.get(name)
-        if want is not None and tuple(shape) != want:
-            problems.append(f"{name}: checkpoint shape {list(shape)} but config.json implies {list(want)}")
-    return problems
-
-
-def packed_shape_error(name: str, nk: tuple[int, int], old: nn.Linear) -> str | None:
-    """None when a packed weight of ``(N, K)`` fits the Linear ``old`` that config.json builds; else why not."""
-    if tuple(nk) == (old.out_features, old.in_features):
-        return None
-    return f"{name}: packed weight is [{nk[0]}, {nk[1]}] but config.json implies [{old.out_features}, {old.in_features}]"
-
-
 def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
     """(choice, where it came from: "decode_loop" or "$EDGEQ_DECODE_LOOP")."""
-    return env.choice(arg, "decode_loop", ENV_DECODE_LOOP, DECODE_LOOPS)
+    return choice(arg, "decode_loop", ENV_DECODE_LOOP, DECODE_LOOPS)
 
 
 def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts, attention: str | None):
@@ -322,89 +281,6 @@ def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, co
         return None, "transformers", f"{why_not}; decoding through transformers"
     decoder = lean.LeanDecoder(model, config, cache, max_model_len, counts, attention)
     return decoder, "lean", f"{config.model_type}: edgeq's decode step over the loaded modules and the static cache"
-
-
-def _swap_quantized(model, files, info: QuantInfo, counts, strict: bool):
-    here = tinygemm.probe()
-    native = _native()
-    if native is not None:
-        try:
-            native = native if native.supports(here) else None
-        except Exception:
-            native = None
-    runtime = Runtime(layout=here, counts=counts, native=native)
-    foreign = not info.layout.is_compatible(here)
-    if foreign and strict:
-        raise EdgeqError(layout_refusal(info.layout, here))
-    consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
-    perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
-    for name in info.quantized_modules:
-        old = skeleton.quantized_target(model, name)
-        qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
-        n, k = tinygemm.check_shapes(name, qweight, sz, info.group_size(name))
-        if problem := packed_shape_error(name, (n, k), old):
-            raise EdgeqError(problem)
-        if foreign:
-            qweight = tinygemm.pack(tinygemm.unpack(qweight, n, k, info.layout), here)
-            copied += qweight.numel()
-        else:
-            mapped += qweight.numel()
-        mapped += sz.numel() * sz.element_size()
-        consumed.update({f"{name}.qweight", f"{name}.scales_and_zeros"})
-        bias, bias_copied, bias_mapped = skeleton.quantized_bias(files, name, old)
-        copied, mapped = copied + bias_copied, mapped + bias_mapped
-        if bias is not None:
-            consumed.add(f"{name}.bias")
-        perm = _input_perm(files, name, k, perms)
-        if perm is not None:
-            consumed.add(f"{name}.perm")
-        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, info.group_size(name), bias, runtime, perm=perm))
-    if foreign:
-        warnings.warn(repack_warning(info.layout, here, len(info.quantized_modules), time.perf_counter() - t0, copied),
-                      LayoutRepackWarning, stacklevel=3)
-    return runtime, consumed, copied, mapped, "repacked" if foreign else "native"
-
-
-def layout_refusal(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout,
-                   strict_flag: str = "--strict-layout") -> str:
-    """The strict-layout refusal of a checkpoint packed for ``stored`` on a machine whose kernel uses ``here``
-    (shared with the vLLM plugin, whose strict setting is ``EDGEQ_STRICT_LAYOUT=1``)."""
-    return (f"checkpoint packed for layout {stored.layout_hash[:12]} ({stored.cpu_capability}, torch "
-            f"{stored.torch_version}, block {stored.block_n}) but this machine's kernel uses "
-            f"{here.layout_hash[:12]} ({here.cpu_capability}, torch {here.torch_version}, block {here.block_n}); "
-            f"run `edgeq repack` on it, or load without {strict_flag} to repack in memory")
-
-
-def repack_warning(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout, tensors: int, seconds: float,
-                   copied: int) -> str:
-    """The LayoutRepackWarning text after repacking ``tensors`` tensors in memory (also the vLLM plugin's)."""
-    return (f"REPACKED IN MEMORY: checkpoint layout {stored.layout_hash[:12]} ({stored.cpu_capability}, "
-            f"block {stored.block_n}) is not this machine's {here.layout_hash[:12]} ({here.cpu_capability}, "
-            f"block {here.block_n}); repacking {tensors} tensors took {seconds:.2f} s and {format_bytes(copied)} "
-            f"({copied} bytes) of anonymous memory. Run `edgeq repack` once to avoid this cost.")
-
-
-def _input_perm(files, name: str, k: int, perms: dict) -> torch.Tensor | None:
-    """``M.perm`` (int64 [K]) of an act-order GPTQ layer: the module computes kernel(x[..., perm]); None if absent."""
-    if f"{name}.perm" not in files:
-        return None
-    perm = files.get(f"{name}.perm")
-    if perm.dtype != torch.int64 or list(perm.shape) != [k]:
-        raise EdgeqError(f"{name}.perm: expected int64 [{k}], got {perm.dtype} {list(perm.shape)}; re-convert the checkpoint")
-    if not torch.equal(perm.sort().values, torch.arange(k)):
-        raise EdgeqError(f"{name}.perm: not a permutation of 0..{k - 1} (repeated or missing indices); re-convert the checkpoint")
-    key = perm.numpy().tobytes()
-    return perms.setdefault(key, perm)
-
-
-def _crossover(runtime: Runtime, quantized, info: QuantInfo, override: int | None) -> tuple[int, str]:
-    if override is not None:
-        if int(override) < 1:
-            raise EdgeqError(f"prefill_threshold={override}: must be >= 1 (1 = always dequantise)")
-        return int(override), "override"
-    body = [m for m in quantized if m.name != info.head_name] or quantized
-    probe_layer = max(body, key=lambda m: m.out_features * m.in_features)
-    return crossover.crossover(probe_layer, runtime.decode_path)
 
 
 def _count_bf16_linears(model: nn.Module, counts: Counter) -> None:

@@ -23,6 +23,7 @@ so the fast path writes ``q[0, 0]`` to W^T[0, 0] and ``q[32, 0]`` to W^T[0, 32].
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,8 +31,12 @@ import torch
 from torch import nn
 
 from edgeq.errors import EdgeqError
+from edgeq.io import skeleton
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
+from edgeq.runtime import crossover
+from edgeq.runtime.sizes import format_bytes
+from edgeq.runtime.swap import SwapResult, packed_shape_error
 
 # The block rule lives in edgeq.memory so that inspect's projection and the runtime cannot disagree.
 from edgeq.memory import SCRATCH_TARGET_ELEMS, rows_per_block  # noqa: E402,F401
@@ -84,6 +89,23 @@ class Runtime:
     @property
     def decode_path(self) -> str:
         return "native_decode" if self.native is not None else "tinygemm_decode"
+
+    def prepare(self, modules: list["Int4Linear"], head_name: str, override: int | None) -> tuple[int, str]:
+        """Once every module is in place: the shared prefill scratch for ``modules``, and the crossover M at and above
+        which the dequant path runs -- ``override``, else measured (or cached) on the largest non-head layer. The
+        probe's calls are not the model's: the counts start at zero. Returns (M, "override" | "measured" | "cached")."""
+        self.scratch = scratch_for(modules)
+        if override is not None:
+            if int(override) < 1:
+                raise EdgeqError(f"prefill_threshold={override}: must be >= 1 (1 = always dequantise)")
+            xover, source = int(override), "override"
+        else:
+            body = [m for m in modules if m.name != head_name] or modules
+            probe_layer = max(body, key=lambda m: m.out_features * m.in_features)
+            xover, source = crossover.crossover(probe_layer, self.decode_path)
+        self.prefill_threshold = xover
+        self.counts.clear()
+        return xover, source
 
     def gather(self, x2: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """x2[:, perm], computed once for consecutive layers that read the same input with the same perm (q/k/v).
@@ -151,6 +173,11 @@ class Int4Linear(nn.Module):
         self._order = _nibble_order(runtime.layout)
         self._rows = rows_per_block(self.out_features, self.in_features, runtime.layout.block_n)
         self._ranges = _ranges(self.out_features, self._rows, runtime.layout.block_n if self._order else None)
+
+    @classmethod
+    def swap_in(cls, model: nn.Module, files, info, counts, *, strict_layout: bool = False) -> SwapResult:
+        """The tinygemm_w4a16 swap (:func:`edgeq.runtime.swap.swap` calls it through the layout registry)."""
+        return swap_tinygemm(model, files, info, counts, strict_layout)
 
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, int4 tinygemm"
@@ -236,3 +263,86 @@ class Int4Linear(nn.Module):
 
 def scratch_for(modules: list[Int4Linear]) -> Scratch:
     return Scratch(max((m.scratch_elems for m in modules), default=0))
+
+
+# --- the swap ------------------------------------------------------------------------------------------------------
+
+
+def make_runtime(counts: Counter) -> Runtime:
+    """This machine's layout and kernel: edgeq's native kernel when it exists and supports the layout, else aten's."""
+    here = tinygemm.probe()
+    native = _native()
+    if native is not None:
+        try:
+            native = native if native.supports(here) else None
+        except Exception:  # noqa: BLE001 - a kernel that cannot say is not used
+            native = None
+    return Runtime(layout=here, counts=counts, native=native)
+
+
+def swap_tinygemm(model: nn.Module, files, info, counts, strict: bool = False) -> SwapResult:
+    """Every quantised Linear listed in ``info`` becomes an :class:`Int4Linear` over the mapped ``M.qweight`` /
+    ``M.scales_and_zeros`` (and ``M.perm``, ``M.bias``). A checkpoint packed for another layout is repacked in memory
+    (``copied_bytes``; the result carries the warning), or refused under ``strict``."""
+    runtime = make_runtime(counts)
+    here, stored = runtime.layout, info.layout
+    foreign = not stored.is_compatible(here)
+    if foreign and strict:
+        raise EdgeqError(layout_refusal(stored, here))
+    consumed, copied, mapped, t0 = set(), 0, 0, time.perf_counter()
+    perms: dict[bytes, torch.Tensor] = {}  # equal permutations share one tensor, so q/k/v share one gather
+    for name in info.quantized_modules:
+        old = skeleton.quantized_target(model, name)
+        qweight, sz = files.get(f"{name}.qweight"), files.get(f"{name}.scales_and_zeros")
+        n, k = tinygemm.check_shapes(name, qweight, sz, info.group_size(name))
+        if problem := packed_shape_error(name, (n, k), old):
+            raise EdgeqError(problem)
+        if foreign:
+            qweight = tinygemm.pack(tinygemm.unpack(qweight, n, k, stored), here)
+            copied += qweight.numel()
+        else:
+            mapped += qweight.numel()
+        mapped += sz.numel() * sz.element_size()
+        consumed.update({f"{name}.qweight", f"{name}.scales_and_zeros"})
+        bias, bias_copied, bias_mapped = skeleton.quantized_bias(files, name, old)
+        copied, mapped = copied + bias_copied, mapped + bias_mapped
+        if bias is not None:
+            consumed.add(f"{name}.bias")
+        perm = _input_perm(files, name, k, perms)
+        if perm is not None:
+            consumed.add(f"{name}.perm")
+        skeleton.set_module(model, name, Int4Linear(name, qweight, sz, info.group_size(name), bias, runtime, perm=perm))
+    warning = repack_warning(stored, here, len(info.quantized_modules), time.perf_counter() - t0, copied) if foreign else ""
+    return SwapResult(scheme=str(info.scheme), consumed=frozenset(consumed), mapped_bytes=mapped, copied_bytes=copied,
+                      layout="repacked" if foreign else "native", layout_hash=here.layout_hash,
+                      decode_path=runtime.decode_path, prefill_path="dequant_prefill", warning=warning, runtime=runtime)
+
+
+def layout_refusal(stored: TinygemmLayout, here: TinygemmLayout, strict_flag: str = "--strict-layout") -> str:
+    """The strict-layout refusal of a checkpoint packed for ``stored`` on a machine whose kernel uses ``here``
+    (shared with the vLLM plugin, whose strict setting is ``EDGEQ_STRICT_LAYOUT=1``)."""
+    return (f"checkpoint packed for layout {stored.layout_hash[:12]} ({stored.cpu_capability}, torch "
+            f"{stored.torch_version}, block {stored.block_n}) but this machine's kernel uses "
+            f"{here.layout_hash[:12]} ({here.cpu_capability}, torch {here.torch_version}, block {here.block_n}); "
+            f"run `edgeq repack` on it, or load without {strict_flag} to repack in memory")
+
+
+def repack_warning(stored: TinygemmLayout, here: TinygemmLayout, tensors: int, seconds: float, copied: int) -> str:
+    """The LayoutRepackWarning text after repacking ``tensors`` tensors in memory (also the vLLM plugin's)."""
+    return (f"REPACKED IN MEMORY: checkpoint layout {stored.layout_hash[:12]} ({stored.cpu_capability}, "
+            f"block {stored.block_n}) is not this machine's {here.layout_hash[:12]} ({here.cpu_capability}, "
+            f"block {here.block_n}); repacking {tensors} tensors took {seconds:.2f} s and {format_bytes(copied)} "
+            f"({copied} bytes) of anonymous memory. Run `edgeq repack` once to avoid this cost.")
+
+
+def _input_perm(files, name: str, k: int, perms: dict) -> torch.Tensor | None:
+    """``M.perm`` (int64 [K]) of an act-order GPTQ layer: the module computes kernel(x[..., perm]); None if absent."""
+    if f"{name}.perm" not in files:
+        return None
+    perm = files.get(f"{name}.perm")
+    if perm.dtype != torch.int64 or list(perm.shape) != [k]:
+        raise EdgeqError(f"{name}.perm: expected int64 [{k}], got {perm.dtype} {list(perm.shape)}; re-convert the checkpoint")
+    if not torch.equal(perm.sort().values, torch.arange(k)):
+        raise EdgeqError(f"{name}.perm: not a permutation of 0..{k - 1} (repeated or missing indices); re-convert the checkpoint")
+    key = perm.numpy().tobytes()
+    return perms.setdefault(key, perm)

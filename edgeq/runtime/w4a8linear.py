@@ -1,21 +1,21 @@
-"""The runtime side of W4A8 (``kernel: amx_w4a8`` checkpoints): validation, the quantised module, and the swap.
+"""The runtime side of W4A8 (``kernel: amx_w4a8`` checkpoints): the kernel choice, the quantised module, the swap.
 
-- :func:`read_info` validates config.json + edgeq_manifest.json of an ``amx_w4a8`` checkpoint (None for any other
-  checkpoint, which the W4A16 reader handles): format version, kernel, scheme, and the layout record, which must
-  equal :func:`edgeq.layouts.w4a8.fingerprint` of the group size exactly (the bytes are fixed by the kernel's
-  source, so there is nothing to repack: a different record is refused with both records' versions).
+The checkpoint is read and validated by :func:`edgeq.runtime.qinfo.read_checkpoint`, as every kernel's: its layout
+record must equal :func:`edgeq.layouts.w4a8.fingerprint` of the group size exactly (the bytes are fixed by the
+kernel's source, so there is nothing to repack: a different record is refused with both records' versions).
+
 - :class:`W4A8Linear`: ``y = W4A8(x)`` over the mapped ``M.qweight`` / ``M.scales`` / ``M.zeros`` (never copied),
   for every M through one path chosen at load: a compiled kernel when one is available **and** agrees with the
   portable path bit for bit on a probe -- first edgeq's own native op (:mod:`edgeq.runtime.native_w4a8`, built at
   first use; source ``edgeq native (<isa>)``), then a compiled ``int4_scaled_mm_cpu`` (sglang's ``sgl_kernel`` or
-  vLLM's ``_C``) -- else the portable path :func:`edgeq.layouts.w4a8.w4a8_linear` (bit-exact in bf16 to the kernel's
-  arithmetic).
-- :func:`swap_w4a8`: what the loader calls instead of its W4A16 swap. Returns the consumed tensor names, mapped and
-  copied bytes, and the settings that say which path runs (``decode_path`` / ``prefill_path``: ``w4a8_portable`` or
-  ``w4a8_kernel`` -- any compiled op, edgeq's native one included; the same counter names in the runtime's Counter,
-  one count per module call; ``w4a8_kernel`` / ``w4a8_compute`` name the op, e.g. ``compiled: edgeq native (amx)``).
+  vLLM's ``_C``) -- else the portable path :func:`edgeq.runtime.w4a8_compute.w4a8_linear` (bit-exact in bf16 to
+  the kernel's arithmetic).
+- :func:`swap_w4a8` (``W4A8Linear.swap_in``, which :func:`edgeq.runtime.swap.swap` calls for this kernel): a
+  :class:`~edgeq.runtime.swap.SwapResult` whose ``decode_path`` / ``prefill_path`` are ``w4a8_portable`` or
+  ``w4a8_kernel`` (any compiled op, edgeq's native one included; the same counter names in the runtime's Counter,
+  one count per module call), ``compute`` names the op (e.g. ``compiled: edgeq native (amx)``).
 
-The path is never chosen silently: ``settings["w4a8_kernel"]`` says what was found and why it is or is not used.
+The path is never chosen silently: the result's ``note`` says what was found and why it is or is not used.
 """
 
 from __future__ import annotations
@@ -23,100 +23,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from edgeq.cpu import has_vnni
 from edgeq.errors import EdgeqError
-from edgeq.layouts import w4a8 as layout
 from edgeq.io import skeleton
+from edgeq.layouts import w4a8 as layout
+from edgeq.runtime import w4a8_compute as compute
 from edgeq.runtime.qlinear import forward_2d
-from edgeq.runtime.qinfo import read_json
-from edgeq.scheme import Scheme
+from edgeq.runtime.swap import SwapResult, packed_shape_error
 
 KERNEL = layout.KERNEL
-MANIFEST = "edgeq_manifest.json"
 PORTABLE = "w4a8_portable"
 COMPILED = "w4a8_kernel"
 PROBE_SHAPES = ((1, 64, 256), (5, 96, 256))  # (M, N, K): decode and a small prefill, several 32-row blocks
-
-
-@dataclass(frozen=True)
-class W4A8Info:
-    """A validated ``amx_w4a8`` checkpoint record (config.json + manifest)."""
-
-    format_version: int
-    scheme: Scheme
-    kernel: str
-    layout: dict
-    quantized_modules: tuple[str, ...]
-    head_name: str
-    head_source: str
-    untied: bool
-    modules_not_converted: tuple[tuple[str, str], ...]
-
-    @property
-    def layout_hash(self) -> str:
-        return str(self.layout.get("layout_hash"))
-
-
-def is_w4a8_config(config: dict) -> bool:
-    """True when config.json's quantization_config says ``kernel: amx_w4a8`` (cheap; no manifest read)."""
-    qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") == "edgeq" and qc.get("kernel") == KERNEL
-
-
-def read_info(directory: str | Path, config: dict) -> W4A8Info | None:
-    """A validated W4A8Info for an ``amx_w4a8`` checkpoint; None for anything else (plain HF, W4A16)."""
-    directory = Path(directory)
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "edgeq":
-        return None
-    where = directory / MANIFEST
-    m = read_json(where)
-    kernel, cfg_kernel = m.get("kernel"), qc.get("kernel")
-    if KERNEL not in (kernel, cfg_kernel):
-        return None
-    if kernel != cfg_kernel:
-        raise EdgeqError(f"{directory}: config.json says kernel {cfg_kernel!r} but {MANIFEST} says {kernel!r}; the "
-                         "checkpoint is inconsistent, re-quantise it")
-    version = m.get("format_version")
-    if version != 1 or qc.get("format_version") != version:
-        raise EdgeqError(f"{where}: format_version {version!r} (config.json says {qc.get('format_version')!r}); this "
-                         "edgeq reads [1]: upgrade edgeq or re-quantise")
-    scheme = Scheme.parse(str(m.get("scheme", "")))
-    if scheme.kernel != KERNEL or int(qc.get("group_size", scheme.group_size)) != scheme.group_size \
-            or str(qc.get("scheme", scheme)) != str(scheme):
-        raise EdgeqError(f"{where}: scheme {scheme} does not match kernel {KERNEL!r} / config.json's scheme "
-                         f"{qc.get('scheme')!r}, group_size {qc.get('group_size')!r}; the checkpoint is inconsistent")
-    want = layout.fingerprint(scheme.group_size)
-    for label, record in ((MANIFEST, m.get("layout")), ("config.json quantization_config", qc.get("layout"))):
-        if record != want:
-            got = record if isinstance(record, dict) else {}
-            raise EdgeqError(
-                f"{directory}: {label} layout record (op {got.get('op')!r}, version {got.get('version')!r}, block_k "
-                f"{got.get('block_k')!r}, hash {str(got.get('layout_hash'))[:12]}) is not the amx_w4a8 layout this "
-                f"edgeq reads (version {want['version']}, block_k {want['block_k']}, hash {want['layout_hash'][:12]}); "
-                "re-quantise with this edgeq or upgrade edgeq"
-            )
-    modules = m.get("quantized_modules")
-    if not isinstance(modules, list) or not modules or not all(isinstance(x, str) for x in modules):
-        raise EdgeqError(f"{where}: quantized_modules must be a non-empty list of module names")
-    head = m.get("head") or {}
-    head_name = head.get("name", "lm_head")
-    if not head.get("quantized", False) or head_name not in modules:
-        raise EdgeqError(f"{where}: the output head {head_name!r} is not recorded as quantised; edgeq checkpoints "
-                         "always quantise the head, re-quantise")
-    mnc = m.get("modules_not_converted") or {}
-    if isinstance(mnc, list):
-        mnc = {name: "" for name in mnc}
-    return W4A8Info(
-        format_version=version, scheme=scheme, kernel=KERNEL, layout=dict(want), quantized_modules=tuple(modules),
-        head_name=head_name, head_source=str(head.get("source", "")), untied=bool(head.get("untied", False)),
-        modules_not_converted=tuple(sorted((str(k), str(v)) for k, v in mnc.items())),
-    )
 
 
 # --- the compiled kernel, when importable --------------------------------------------------------------------------
@@ -196,7 +119,7 @@ def probe(fn: Callable, group_size: int) -> tuple[bool, str]:
                 return False, f"raised {type(e).__name__}: {str(e)[:120]} on M={m}, N={n}, K={k}"
             if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16 or tuple(got.shape) != (m, n):
                 return False, f"returned {getattr(got, 'dtype', type(got))} {list(getattr(got, 'shape', []))}, expected bf16 [{m}, {n}]"
-            refs = [layout.w4a8_linear(x, p.qweight, p.scales, p.zeros, group_size, b, fused=f) for f in (True, False)]
+            refs = [compute.w4a8_linear(x, p.qweight, p.scales, p.zeros, group_size, b, fused=f) for f in (True, False)]
             if not any(torch.equal(got.view(torch.int16), r.view(torch.int16)) for r in refs):
                 diff = (got.float() - refs[0].float()).abs().max().item()
                 return False, f"differs from the portable path on M={m}, N={n}, K={k} (max |diff| {diff:.3g})"
@@ -226,8 +149,8 @@ def choose_kernel(group_size: int, use_compiled: bool = True,
 
 def portable_description() -> str:
     """Which products and which FMA the portable path uses on this machine."""
-    backend = "torch._int_mm (AVX512-VNNI/AMX)" if layout.has_vnni() else "exact fp32 GEMM on integers"
-    fma = "addcmul (checked single-rounding FMA)" if layout.addcmul_is_fma() else "exact float64 FMA emulation"
+    backend = "torch._int_mm (AVX512-VNNI/AMX)" if has_vnni() else "exact fp32 GEMM on integers"
+    fma = "addcmul (checked single-rounding FMA)" if compute.addcmul_is_fma() else "exact float64 FMA emulation"
     return f"portable: {backend}, {fma}"
 
 
@@ -260,6 +183,12 @@ class W4A8Linear(nn.Module):
         self.choice = choice or KernelChoice(PORTABLE, None, "portable", "default")
         self.path = self.choice.path
 
+    @classmethod
+    def swap_in(cls, model: nn.Module, files, info, counts, *, strict_layout: bool = False) -> SwapResult:
+        """The amx_w4a8 swap (:func:`edgeq.runtime.swap.swap` calls it through the layout registry); the layout is
+        fixed by the kernel's source, so ``strict_layout`` has nothing to refuse."""
+        return swap_w4a8(model, files, info, counts)
+
     def extra_repr(self) -> str:
         return (f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, "
                 f"w4a8 {self.choice.source}")
@@ -277,36 +206,37 @@ class W4A8Linear(nn.Module):
         self.counts[self.path] += 1
         if self.choice.fn is not None:
             return self.choice.fn(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        return layout.w4a8_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias, name=self.name)
+        return compute.w4a8_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias, name=self.name)
 
 
-def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: bool = True,
-              choice: KernelChoice | None = None) -> tuple[set[str], int, int, dict]:
-    """Replace every quantised ``nn.Linear`` listed in ``info`` by a :class:`W4A8Linear` over the mapped tensors.
+def swap_w4a8(model: nn.Module, files, info, counts, *, use_compiled: bool = True,
+              choice: KernelChoice | None = None) -> SwapResult:
+    """Replace every quantised ``nn.Linear`` listed in ``info`` (a validated amx_w4a8 :class:`~edgeq.runtime.qinfo.
+    QuantInfo`) by a :class:`W4A8Linear` over the mapped tensors, all through one kernel choice.
 
-    ``files`` is the loader's MappedFiles (``get(name)`` -> mapped tensor, ``name in files``). Returns (consumed tensor
-    names, mapped bytes, copied bytes, settings). Refuses, naming the module: a module the model does not have or
-    that is not a Linear, missing or mis-shaped tensors, a shape that differs from config.json, a bias the model
-    needs but the checkpoint lacks, and ``M.perm`` (act-order is not supported with W4A8).
+    ``files`` is the loader's MappedFiles (``get(name)`` -> mapped tensor, ``name in files``). Refuses, naming the
+    module: a module the model does not have or that is not a Linear, missing or mis-shaped tensors, a shape that
+    differs from config.json, a bias the model needs but the checkpoint lacks, and ``M.perm`` (act-order is not
+    supported with W4A8).
     """
-    g = info.scheme.group_size
-    choice = choice or choose_kernel(g, use_compiled)
+    choice = choice or choose_kernel(info.scheme.group_size, use_compiled)
     consumed: set[str] = set()
     mapped = copied = 0
     for name in info.quantized_modules:
+        g = info.group_size(name)
         old = skeleton.quantized_target(model, name)
         if f"{name}.perm" in files:
             raise EdgeqError(f"{name}.perm: an input permutation (act-order) is not supported with the amx_w4a8 "
                              "kernel; the checkpoint is inconsistent, re-quantise it")
         parts = {}
-        for suffix in (".qweight", ".scales", ".zeros"):
+        for suffix in layout.LAYOUT.suffixes:
             if f"{name}{suffix}" not in files:
                 raise EdgeqError(f"{name}: the checkpoint has no {name}{suffix} (amx_w4a8 modules store qweight, "
                                  "scales and zeros); it is incomplete, re-quantise it")
             parts[suffix] = files.get(f"{name}{suffix}")
         n, k = layout.check_packed(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g)
-        if (n, k) != (old.out_features, old.in_features):
-            raise EdgeqError(f"{name}: packed weight is [{n}, {k}] but config.json implies [{old.out_features}, {old.in_features}]")
+        if problem := packed_shape_error(name, (n, k), old):
+            raise EdgeqError(problem)
         mapped += sum(t.numel() * t.element_size() for t in parts.values())
         consumed.update(f"{name}{s}" for s in parts)
         bias, bias_copied, bias_mapped = skeleton.quantized_bias(files, name, old)
@@ -315,13 +245,9 @@ def swap_w4a8(model: nn.Module, files, info: W4A8Info, counts, *, use_compiled: 
             consumed.add(f"{name}.bias")
         skeleton.set_module(model, name, W4A8Linear(name, parts[".qweight"], parts[".scales"], parts[".zeros"], g,
                                                     bias, counts, choice))
-    settings = {
-        "decode_path": choice.path,
-        "prefill_path": choice.path,
-        "kernel_paths": ((str(info.scheme), f"{choice.path} (all M)"),),
-        "w4a8_kernel": choice.reason,
-        "w4a8_compute": portable_description() if choice.fn is None else f"compiled: {choice.source}",
-        "layout_hash": info.layout_hash,
-        "scratch_bytes": 0,
-    }
-    return consumed, mapped, copied, settings
+    return SwapResult(
+        scheme=str(info.scheme), consumed=frozenset(consumed), mapped_bytes=mapped, copied_bytes=copied,
+        layout="native",  # fixed by the kernel's source: nothing to measure or repack
+        layout_hash=str(info.layout["layout_hash"]), decode_path=choice.path, prefill_path=choice.path,
+        note=choice.reason,
+        compute=portable_description() if choice.fn is None else f"compiled: {choice.source}")

@@ -1,0 +1,100 @@
+"""The vLLM plugin's per-process state and its one custom op (no vLLM import: importable, and testable, anywhere).
+
+vLLM builds every layer of a model in each worker process; what the layers share lives here, never pickled with
+the config: the W4A16 runtime (layout, kernel choice, scratch, prefill threshold), the W4A8 kernel choice, the
+served modules by prefix, and the repack tally behind the one :class:`LayoutRepackWarning`. Every served layer's
+forward is the opaque op ``torch.ops.edgeq_vllm.linear(x, prefix, bias)`` (one node for vLLM's torch.compile),
+which runs the runtime's own module for that prefix (edgeq/integrations/vllm.py creates them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from edgeq.env import PREFILL_THRESHOLD
+from edgeq.errors import EdgeqError
+from edgeq.runtime import crossover, w4a8linear
+from edgeq.runtime.qlinear import Int4Linear, Runtime, make_runtime
+
+ENV_THRESHOLD = PREFILL_THRESHOLD
+
+
+class Process:
+    """What one vLLM worker process shares across layers: the W4A16 runtime (layout, kernel choice, scratch,
+    threshold), the W4A8 kernel choice, the served modules by prefix, and the repack tally for the warning."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.runtime: Runtime | None = None
+        self.w4a8_choice = None
+        self.counts: Counter = Counter()
+        self.served: dict[str, Served] = {}
+        self.created = self.processed = 0
+        self.repacked = self.repacked_bytes = 0
+        self.repack_seconds = 0.0
+
+    def w4a16_runtime(self) -> Runtime:
+        if self.runtime is None:
+            self.runtime = make_runtime(self.counts)  # the loader's: this machine's layout, native kernel if it runs
+            self.runtime.prefill_threshold = None  # set by threshold() before the first call
+        return self.runtime
+
+    def choice(self, group_size: int):
+        if self.w4a8_choice is None:
+            self.w4a8_choice = w4a8linear.choose_kernel(group_size)
+        return self.w4a8_choice
+
+
+STATE = Process()
+
+
+@dataclass
+class Served:
+    """One served layer: the runtime module over its parameters, and the output width vLLM expects (the padded
+    vocabulary slice for the head; the kernel computes ``n`` rows, the rest are zeros)."""
+
+    module: Any
+    n_out: int
+    head: bool
+
+
+def threshold(rt: Runtime) -> int:
+    """The W4A16 prefill crossover: ``$EDGEQ_PREFILL_THRESHOLD``, else measured (and cached) on the largest
+    non-head layer of this process, as :func:`edgeq.runtime.load` does."""
+    if rt.prefill_threshold is None:
+        fixed = os.environ.get(ENV_THRESHOLD)
+        if fixed:
+            if not fixed.isdigit() or int(fixed) < 1:
+                raise EdgeqError(f"${ENV_THRESHOLD}={fixed!r}: expected an integer >= 1 (1 = always dequantise)")
+            rt.prefill_threshold = int(fixed)
+        else:
+            body = [s.module for s in STATE.served.values() if isinstance(s.module, Int4Linear) and not s.head]
+            layer = max(body or [s.module for s in STATE.served.values()], key=lambda m: m.out_features * m.in_features)
+            rt.prefill_threshold = crossover.crossover(layer, rt.decode_path)[0]
+            rt.counts.clear()
+    return rt.prefill_threshold
+
+
+@torch.library.custom_op("edgeq_vllm::linear", mutates_args=())
+def linear(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [..., n_out] for the served layer ``key`` (its prefix): opaque to torch.compile."""
+    served = STATE.served[key]
+    m = served.module
+    if isinstance(m, Int4Linear):
+        threshold(m.runtime)
+    m.bias = bias  # vLLM passes the layer's bias (None with skip_bias_add); the module adds it as the runtime does
+    y = m.forward(x)
+    if served.n_out > m.out_features:
+        y = torch.nn.functional.pad(y, (0, served.n_out - m.out_features))
+    return y
+
+
+@linear.register_fake
+def _linear_shape(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], STATE.served[key].n_out)
