@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from edgeq.io.manifest import read_manifest
-from edgeq.convert.plan import build_plan, quantized_bytes
+from edgeq.convert.plan import build_plan
 from edgeq.io.hf import open_checkpoint
 from edgeq.convert.recipe import find_recipe, load_recipe
 from edgeq.convert.pipeline import convert
 from edgeq.layouts import tinygemm
 from edgeq.quantize.rtn import quantize_groups
+from edgeq.layouts.tinygemm import nbytes as quantized_bytes
 from edgeq.scheme import Scheme
 from tiny_models import save_tiny
 

@@ -436,7 +436,7 @@ def test_ctrl_c_during_ingest_leaves_nothing(tmp_path):
 
 def test_internal_exactness_check_catches_a_wrong_repack(tmp_path, monkeypatch):
     """The converter's own check (parameters within the bf16 bound, columns in their groups) stops a bad repack."""
-    import edgeq.convert.ingest_gptq as ing
+    import edgeq.convert.ingest_stream as ing
     from edgeq.convert.pipeline import convert
 
     src = tmp_path / "src"
@@ -511,7 +511,7 @@ GPTQ_ARGS = ("--method", "gptq", "--scheme", "w4a16-g32", "--nsamples", "3", "--
 def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float, monkeypatch):
     """The written checkpoint holds exactly the driver's results (same windows), every module with its perm; and
     when the driver's order differs from the predicted one, early results are held and still land in place."""
-    import edgeq.convert.pipeline as conv
+    import edgeq.convert.calibrated as conv
     from edgeq.convert.calibrate import calibration_windows, gptq_model
     from edgeq.scheme import Scheme
 

@@ -2,7 +2,7 @@
 
 For a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3 families), calibration token windows
 [S, T] and a :class:`Scheme`, :func:`gptq_model` yields ``(module_name, GPTQResult)`` for every Linear of every
-decoder layer, in execution order, then for ``lm_head``:
+decoder layer, in execution order, then for the head (``head_module``: the recipe's, ``lm_head`` by default):
 
 1. The model skeleton is built from its transformers class on the meta device (no weights). The embedding rows the
    windows use are read (in row blocks) into the hidden states ``h [S, T, D]`` (compute dtype, bf16 by default).
@@ -14,7 +14,7 @@ decoder layer, in execution order, then for ``lm_head``:
    its weight in the layer is replaced by the dequantised weight, so later groups see quantised inputs. A last pass
    computes the layer's outputs, which are the next layer's inputs. The layer is then released (back to meta).
 3. The head's Hessian comes from the final norm applied to the last layer's (quantised) outputs; the head weight
-   (``lm_head.weight``, or the embedding table when tied) is quantised in row blocks under one factorisation.
+   (``<head_module>.weight``, or the embedding table when tied) is quantised in row blocks under one factorisation.
 
 Peak memory: one layer's weights (compute dtype, plus one Linear in fp32 while it is quantised), the layer's
 Hessians (4 K^2 bytes each), two copies of the calibration activations (S * T * D in the compute dtype) and one
@@ -36,11 +36,11 @@ from torch import nn
 
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
+from edgeq.keys import HEAD_MODULE
 from edgeq.quantize.gptq import GPTQResult, HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
 from edgeq.scheme import Scheme
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HEAD_MODULE = "lm_head"
 ROW_BLOCK_ELEMENTS = 16 << 20  # head row blocks: ~16M weights (64 MB fp32 per working copy)
 BATCH_TOKENS = 2048  # tokens per forward batch (whole windows)
 
@@ -233,18 +233,21 @@ def gptq_model(
     block_size: int = 128,
     keep: frozenset[str] | set[str] = frozenset(),
     head_source: str | None = None,
+    head_module: str = HEAD_MODULE,
     group_sizes: dict[str, int] | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
     progress: Progress | None = None,
     observe: Observer | None = None,
 ) -> Iterator[tuple[str, GPTQResult]]:
-    """Yield ``(module_name, GPTQResult)`` for every decoder-layer Linear (execution order) and then ``lm_head``.
+    """Yield ``(module_name, GPTQResult)`` for every decoder-layer Linear (execution order) and then the head.
 
     ``keep``: module names (e.g. ``model.layers.0.mlp.down_proj``) left in float (not yielded; later layers see their
-    float outputs). ``head_source``: the tensor the head is quantised from (default ``lm_head.weight`` if present,
-    else the embedding table). ``progress(done, total, label)`` is called after the embeddings (0), each layer and
-    the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for tests and diagnostics).
-    ``group_sizes``: ``{module: G}`` for modules quantised with another group size than the scheme's.
+    float outputs). ``head_module``: the head's name as the plan knows it (the recipe's; ``lm_head`` by default),
+    under which its result is yielded. ``head_source``: the tensor the head is quantised from (default
+    ``<head_module>.weight`` if present, else the embedding table). ``progress(done, total, label)`` is called after
+    the embeddings (0), each layer and the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for
+    tests and diagnostics). ``group_sizes``: ``{module: G}`` for modules quantised with another group size than the
+    scheme's.
     """
     t0 = time.perf_counter()
     root = Path(model_dir)
@@ -254,7 +257,7 @@ def gptq_model(
     names = {id(m): n for n, m in model.named_modules()}
     base = model.model
     embed_name = names[id(base.embed_tokens)] + ".weight"
-    head_tensor = head_source or (f"{HEAD_MODULE}.weight" if f"{HEAD_MODULE}.weight" in ckpt.tensors else embed_name)
+    head_tensor = head_source or (f"{head_module}.weight" if f"{head_module}.weight" in ckpt.tensors else embed_name)
     opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size,
             "group_sizes": dict(group_sizes or {})}
     s, t = windows.shape
@@ -266,37 +269,51 @@ def gptq_model(
     report(0, total, "embeddings")
     for i, layer in enumerate(base.layers):
         prefix = names[id(layer)] + "."
-        _read_into(ckpt, layer, prefix, compute_dtype)
-        linears = dict(layer.named_modules())
-        for group in _discover_groups(layer, run, h[_batches(s, t)[0]], prefix):
-            todo = [n for n in group if prefix + n not in keep]
-            if not todo:
-                continue
-            H = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0])
-            if observe:
-                observe(prefix + group[0], H)
-            for n in todo:
-                r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True)
-                with torch.no_grad():
-                    linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
-                yield prefix + n, replace(r, w_hat=None)
-            del H
-        out = torch.empty_like(h)
-        for sl in _batches(s, t):
-            out[sl] = run(layer, h[sl])
-        h = out
-        layer.to_empty(device="meta")  # release this layer's weights
+        h = yield from _calibrate_layer(ckpt, layer, prefix, h, run, scheme, opts, keep, observe, compute_dtype)
         report(i + 1, total, f"layer {i + 1}/{total - 1} ({time.perf_counter() - t0:.0f}s)")
 
-    norm = base.norm
-    _read_into(ckpt, norm, names[id(norm)] + ".", compute_dtype)
-    acc = HessianAccumulator(h.shape[-1], HEAD_MODULE)
+    H = _head_hessian(ckpt, base.norm, names[id(base.norm)] + ".", h, head_module, compute_dtype)
+    del h
+    if observe:
+        observe(head_module, H)
+    yield head_module, _quantize_rows(ckpt, head_tensor, head_module, H, scheme, opts, keep_w_hat=False)
+    report(total, total, f"{head_module} ({time.perf_counter() - t0:.0f}s)")
+
+
+def _head_hessian(ckpt: Checkpoint, norm: nn.Module, prefix: str, h: torch.Tensor, head_module: str,
+                  compute_dtype: torch.dtype) -> torch.Tensor:
+    """Step 3 of the module docstring: the head's Hessian from the final norm of the last layer's outputs ``h``."""
+    s, t = h.shape[:2]
+    _read_into(ckpt, norm, prefix, compute_dtype)
+    acc = HessianAccumulator(h.shape[-1], head_module)
     with torch.no_grad():
         for sl in _batches(s, t):
             acc.add(norm(h[sl]))
-    del h
-    H = acc.hessian()
-    if observe:
-        observe(HEAD_MODULE, H)
-    yield HEAD_MODULE, _quantize_rows(ckpt, head_tensor, HEAD_MODULE, H, scheme, opts, keep_w_hat=False)
-    report(total, total, f"{HEAD_MODULE} ({time.perf_counter() - t0:.0f}s)")
+    return acc.hessian()
+
+
+def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.Tensor, run: _LayerRunner,
+                     scheme: Scheme, opts: dict, keep, observe: Observer | None, compute_dtype: torch.dtype):
+    """One decoder layer (step 2 of the module docstring): yields its ``(module, GPTQResult)`` group by group and
+    returns its outputs on ``h`` (the next layer's inputs); the layer is released (back to meta) at the end."""
+    s, t = h.shape[:2]
+    _read_into(ckpt, layer, prefix, compute_dtype)
+    linears = dict(layer.named_modules())
+    for group in _discover_groups(layer, run, h[_batches(s, t)[0]], prefix):
+        todo = [n for n in group if prefix + n not in keep]
+        if not todo:
+            continue
+        H = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0])
+        if observe:
+            observe(prefix + group[0], H)
+        for n in todo:
+            r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True)
+            with torch.no_grad():
+                linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
+            yield prefix + n, replace(r, w_hat=None)
+        del H
+    out = torch.empty_like(h)
+    for sl in _batches(s, t):
+        out[sl] = run(layer, h[sl])
+    layer.to_empty(device="meta")  # release this layer's weights
+    return out

@@ -1,12 +1,10 @@
 """GPTQ checkpoints as input to ``edgeq quantize``: planned from headers, repacked into tinygemm exactly.
 
 Input: a Hugging Face directory whose config says ``quantization_config.quant_method == "gptq"`` (AutoGPTQ, GPTQModel,
-the hub's "-GPTQ-Int4" models; or a bare ``quantize_config.json`` beside AutoGPTQ's tensors). Its settings are
-``bits``, ``group_size`` (-1: one group over K), ``sym``, ``desc_act``, ``checkpoint_format`` (GPTQModel; older
-writers say ``format``; absent means ``"gptq"``), and GPTQModel's per-module ``dynamic`` overrides
-(``{"-:regex": {}}`` excludes modules, ``{"regex": {"bits": 8, "group_size": 32}}`` overrides settings; the first
-pattern that matches from the start of the module name wins, as in GPTQModel). ``meta`` (quantizer, damping, ...) is
-recorded in the manifest, never interpreted.
+the hub's "-GPTQ-Int4" models; or a bare ``quantize_config.json`` beside AutoGPTQ's tensors). Its settings (``bits``,
+``group_size``, ``sym``, ``desc_act``, ``checkpoint_format``, GPTQModel's per-module ``dynamic`` overrides) are read
+and validated by :mod:`edgeq.convert.ingest_config`; this module plans from them, and
+:mod:`edgeq.convert.ingest_stream` writes the plan's GPTQ entries.
 
 Per module ``M`` with ``M.qweight`` (tensors and decoding: edgeq/layouts/gptq.py, docs/gptq.md) the plan chooses:
 
@@ -24,8 +22,8 @@ Per module ``M`` with ``M.qweight`` (tensors and decoding: edgeq/layouts/gptq.py
 
 Float weights in a GPTQ checkpoint (a bf16/fp16 head, layers GPTQModel excluded) are quantised with the default
 method and reported; a missing head is tied to the embedding table as for float input; ``--head-from DIR`` takes the
-head from the original float model instead (its ``lm_head.weight``, or its embedding table when tied). Every other
-tensor is copied as bf16.
+head from the original float model instead (its head tensor as the recipe names it, ``lm_head.weight`` in every
+bundled recipe, or its embedding table when tied). Every other tensor is copied as bf16.
 
 The plan reads headers and, for act-order detection, each layer's ``g_idx`` (K int32 values per layer, a few MB for
 a 7B model). Streaming reads one layer's packed ``qweight`` at a time (N*K*bits/8 bytes) and works in row blocks.
@@ -33,142 +31,30 @@ a 7B model). Streaming reads one layer's packed ``qweight`` at a time (N*K*bits/
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from edgeq.convert.ingest_config import GPTQConfig, default_scheme, read_gptq_config
 from edgeq.convert.plan import (
-    GPTQSource, Plan, PlanEntry, assert_head_quantized, quantized_bytes, tensor_role, weight_rule,
+    GPTQSource, Plan, PlanEntry, assert_head_quantized, packed_bytes, tensor_role, tied_embedding, weight_rule,
 )
-from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.convert.recipe import Recipe
-from edgeq.io.safetensors import FLOAT_CODES, ShardedWriter
 from edgeq.errors import EdgeqError
+from edgeq.io.hf import Checkpoint, open_checkpoint
+from edgeq.io.safetensors import FLOAT_CODES, TensorInfo
+from edgeq.keys import Action, Role
 from edgeq.layouts import tinygemm
-from edgeq.layouts.gptq import FORMATS, GPTQLinear, decode_gptq, error_bound, to_tinygemm
-from edgeq.quantize.rtn import quantize_groups
 from edgeq.scheme import Scheme
 
 METHOD = "gptq-ingest"
 PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
-BOUND = "|w_edgeq - w_gptq| <= 2^-8 * |s| * (|q - 8| + |8 - z|) <= |s| / 16 per element (bf16 scale and zero)"
-ROW_BLOCK_ELEMENTS = 1 << 20  # outputs per block ~1M weights: the exactness check keeps a few fp32 copies of a block
 _FOREIGN_SUFFIXES = (".scales_and_zeros", ".weight_packed", ".weight_scale", ".SCB", ".absmax")
+__all__ = ["METHOD", "GPTQConfig", "build_gptq_plan", "default_scheme", "read_gptq_config"]
 
 
-# ---------------------------------------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class GPTQConfig:
-    """A GPTQ checkpoint's settings as its config states them (``where`` names the file, for messages)."""
-
-    bits: Any
-    group_size: Any
-    sym: bool
-    desc_act: bool
-    checkpoint_format: str
-    dynamic: tuple[tuple[str, bool, Any, tuple[tuple[str, Any], ...]], ...]  # (key, negative, regex, overrides)
-    where: str
-    record: tuple[tuple[str, Any], ...]  # for the manifest's "source"
-
-    def for_module(self, module: str) -> dict | None:
-        """bits / group_size / sym / desc_act of ``module`` after ``dynamic``; None if ``dynamic`` excludes it."""
-        s = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
-        for _, negative, rx, overrides in self.dynamic:
-            if rx.match(module):
-                if negative:
-                    return None
-                s.update({k: v for k, v in overrides if k in s})
-                break
-        return s
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise EdgeqError(f"{path}: cannot read it as JSON ({str(e)[:100]}); restore it from the model's source") from e
-    if not isinstance(data, dict):
-        raise EdgeqError(f"{path}: expected a JSON object")
-    return data
-
-
-def read_gptq_config(ckpt: Checkpoint) -> GPTQConfig | None:
-    """The input's GPTQ settings; None for a float checkpoint. Any other quantised format is refused here."""
-    q, where = ckpt.quantization_config, ckpt.root / "config.json"
-    has_qweight = any(n.endswith(".qweight") for n in ckpt.tensors)
-    if q is None:
-        alt = ckpt.root / "quantize_config.json"  # AutoGPTQ's own file, when config.json lacks the block
-        if not (alt.is_file() and has_qweight):
-            return None
-        q, where = _json(alt), alt
-        q.setdefault("quant_method", "gptq")
-    method = q.get("quant_method")
-    if method != "gptq":
-        raise EdgeqError(
-            f"{where}: the input is already quantised (quant_method={method!r}); edgeq ingests GPTQ checkpoints "
-            "(quant_method \"gptq\") and quantises float ones: give edgeq the original float checkpoint"
-        )
-    if not has_qweight:
-        raise EdgeqError(
-            f"{where}: the input is already quantised (quant_method='gptq') by its config, but its safetensors hold no "
-            "GPTQ tensors (no *.qweight); restore the checkpoint's weights, or give edgeq the original float checkpoint"
-        )
-    fmt = q.get("checkpoint_format") or q.get("format") or "gptq"
-    if q.get("is_marlin_format"):
-        fmt = "marlin"
-    if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-        raise EdgeqError(
-            f"{where}: checkpoint_format {fmt!r} is not readable (edgeq reads {' and '.join(FORMATS)}; marlin, bitblas "
-            "and qqq are kernel-specific repackings); use the checkpoint in gptq format"
-        )
-    pack = q.get("pack_dtype", "int32")
-    if pack != "int32":
-        raise EdgeqError(f"{where}: pack_dtype {pack!r} is not supported (only int32 packing); re-export with pack_dtype int32")
-    for key in ("sym", "desc_act"):
-        if key in q and not isinstance(q[key], bool):
-            raise EdgeqError(f"{where}: {key} must be true or false, got {q[key]!r}")
-    dynamic = []
-    raw = q.get("dynamic") or {}
-    if not isinstance(raw, dict):
-        raise EdgeqError(f"{where}: dynamic must be an object of {{pattern: overrides}}, got {type(raw).__name__}")
-    for key, overrides in raw.items():
-        negative = key.startswith("-:")
-        pattern = key[2:] if key.startswith(("-:", "+:")) else key
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise EdgeqError(f"{where}: dynamic pattern {key!r} is not a valid regex ({e})") from e
-        if not negative and not isinstance(overrides, dict):
-            raise EdgeqError(f"{where}: dynamic[{key!r}] must be an object of overrides, got {overrides!r}")
-        dynamic.append((key, negative, rx, tuple(sorted((overrides or {}).items())) if not negative else ()))
-    meta = q.get("meta") if isinstance(q.get("meta"), dict) else {}
-    record = {"quant_method": "gptq", "config": where.name, "checkpoint_format": fmt.lower(), "bits": q.get("bits"),
-              "group_size": q.get("group_size"), "sym": q.get("sym", True), "desc_act": q.get("desc_act", False)}
-    for key in ("lm_head", "dynamic", "static_groups", "true_sequential", "damp_percent"):
-        if key in q:
-            record[key] = q[key]
-    for key in ("quantizer", "uri", "static_groups", "damp_percent", "mse", "act_group_aware"):
-        if key in meta:
-            record[f"meta.{key}"] = meta[key]
-    return GPTQConfig(
-        bits=q.get("bits"), group_size=q.get("group_size"), sym=q.get("sym", True), desc_act=q.get("desc_act", False),
-        checkpoint_format=fmt.lower(), dynamic=tuple(dynamic), where=str(where), record=tuple(record.items()),
-    )
-
-
-def default_scheme(cfg: GPTQConfig, recipe: Recipe) -> Scheme:
-    """The checkpoint's own group size when tinygemm has it (an exact repack), else the recipe's scheme."""
-    g = cfg.group_size
-    if isinstance(g, int) and not isinstance(g, bool) and g in tinygemm.GROUP_SIZES:
-        return Scheme(activation_bits=16, group_size=g)
-    return Scheme.parse(recipe.scheme)
-
-
-# ------------------------------------------------------------------------------------------------------------ plan
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -231,6 +117,7 @@ def _nbytes(ckpt: Checkpoint, src: GPTQSource) -> int:
 
 
 def _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize) -> tuple[PlanEntry | None, str | None]:
+    """One GPTQ layer's entry (keep, repack or requantize; see the module docstring), or the problem that stops it."""
     src, shape, problem = _module_source(ckpt, cfg, module)
     if problem:
         return None, problem
@@ -238,11 +125,11 @@ def _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize) -> 
     g_src = k if src.group_size == -1 else src.group_size
     g = scheme.group_size
     where = f"{module} [{n}, {k}] GPTQ {src.bits}-bit g{src.group_size}"
-    keep = recipe.keeps(f"{module}.weight") if role == "linear" else None
+    keep = recipe.keeps(f"{module}.weight") if role == Role.LINEAR else None
     base = dict(name=f"{module}.weight", source=src.qweight, shape=(n, k), dtype="I32", role=role,
                 bytes_in=_nbytes(ckpt, src), gptq=src)
     if keep:
-        return PlanEntry(**base, action="keep", bytes_out=n * k * 2,
+        return PlanEntry(**base, action=Action.KEEP, bytes_out=n * k * 2,
                          reason=f"recipe {recipe.name}: keep_bf16 {keep!r} (stored as its exact dequantisation)"), None
     rule = weight_rule((n, k), "F32", scheme)
     if rule:
@@ -260,18 +147,19 @@ def _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize) -> 
             why.append(uneven)
     if not why:
         reason = "exact" + (f", groups of {g_src} split into {g}" if split else "") + (", act-order: M.perm" if act_order else "")
-        return PlanEntry(**base, action="repack", bytes_out=quantized_bytes(n, k, g, act_order), reason=reason,
+        return PlanEntry(**base, action=Action.REPACK, bytes_out=packed_bytes((n, k), scheme, g, act_order), reason=reason,
                          perm=act_order), None
-    if (role == "head" and src.bits != 4) or requantize:
-        flag = "" if role == "head" and src.bits != 4 else " (--requantize)"
+    if (role == Role.HEAD and src.bits != 4) or requantize:
+        flag = "" if role == Role.HEAD and src.bits != 4 else " (--requantize)"
         reason = f"{'; '.join(why)}: dequantised exactly and requantised with {method}{flag}"
-        return PlanEntry(**base, action="requantize", bytes_out=quantized_bytes(n, k, g), reason=reason, method=method), None
+        return PlanEntry(**base, action=Action.REQUANTIZE, bytes_out=packed_bytes((n, k), scheme, g), reason=reason, method=method), None
     fix = f"use --scheme w4a16-g{g_src} to repack exactly, or --requantize" if g_src in tinygemm.GROUP_SIZES and src.bits == 4 \
         and g_src != g else "use --requantize (dequantise exactly, requantise with the default method)"
     return None, f"{where}: {'; '.join(why)}; {fix}"
 
 
 def _head_from(origin: str | Path, recipe: Recipe, shape: tuple[int, ...] | None, method: str) -> PlanEntry:
+    """--head-from: the head entry read from the original float model ``origin`` (its head, else its embedding)."""
     other = open_checkpoint(origin)
     name = recipe.head if recipe.head in other.tensors else next((e for e in recipe.embeddings if e in other.tensors), None)
     if name is None:
@@ -282,16 +170,42 @@ def _head_from(origin: str | Path, recipe: Recipe, shape: tuple[int, ...] | None
     if shape is not None and tuple(info.shape) != tuple(shape):
         raise EdgeqError(f"--head-from {origin}: {name} is {list(info.shape)} but the input's head is {list(shape)}; "
                          "is it the original of this model?")
-    return PlanEntry(recipe.head, name, info.shape, info.dtype, "head", "quantize", info.nbytes, 0,
+    return PlanEntry(recipe.head, name, info.shape, info.dtype, Role.HEAD, Action.QUANTIZE, info.nbytes, 0,
                      f"--head-from {other.root}: {name} quantised with {method}", method=method, origin=str(other.root))
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What one ingest plan is built from (the arguments of :func:`build_gptq_plan`, the scheme resolved)."""
+
+    ckpt: Checkpoint
+    cfg: GPTQConfig
+    scheme: Scheme
+    method: str
+    recipe: Recipe
+    requantize: bool
+    head_from: str | Path | None
+
+    @property
+    def head_module(self) -> str:
+        return self.recipe.head.removesuffix(".weight")
+
+
+@dataclass
+class _Found:
+    """What the walk over the input's tensors collects: entries, problems, and the head's [N, K] (to check
+    --head-from's against, or None)."""
+
+    entries: list[PlanEntry] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    head_shape: tuple[int, ...] | None = None
 
 
 def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, method: str, recipe: Recipe, *,
                     requantize: bool = False, head_from: str | Path | None = None) -> Plan:
     """The plan for a GPTQ input (see the module docstring). ``method``: the RTN method for everything that is not
     repacked (float weights, requantised layers)."""
-    scheme = scheme or default_scheme(cfg, recipe)
-    head_module = recipe.head.removesuffix(".weight")
+    x = _Inputs(ckpt, cfg, scheme or default_scheme(cfg, recipe), method, recipe, requantize, head_from)
     modules = {n.removesuffix(".qweight") for n in ckpt.tensors if n.endswith(".qweight")}
     both = sorted(m for m in modules if f"{m}.weight" in ckpt.tensors)
     if both:
@@ -299,81 +213,88 @@ def build_gptq_plan(ckpt: Checkpoint, cfg: GPTQConfig, scheme: Scheme | None, me
                          "the checkpoint is inconsistent")
     dropped = _zero_biases_without_a_place(ckpt, modules)
     parts = {f"{m}{p}" for m in modules for p in PARTS} | set(dropped)
-    entries: list[PlanEntry] = []
-    problems: list[str] = []
-    head_shape = None
+    found = _Found()
     for name, info in ckpt.tensors.items():
-        if name in parts:
-            if not name.endswith(".qweight"):
-                continue
-            module = name.removesuffix(".qweight")
-            role = "head" if module == head_module else "linear"
-            if role == "head" and head_from is not None:  # replaced: only its shape is needed, to check the original's
-                head_shape = _module_source(ckpt, cfg, module)[1]
-                continue
-            entry, problem = _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize)
-            if problem:
-                problems.append(problem)
-            if entry is not None:
-                head_shape = entry.shape if role == "head" else head_shape
-                entries.append(entry)
-            continue
-        if name.endswith(_FOREIGN_SUFFIXES):
-            raise EdgeqError(f"{info.file}: tensor {name} is not part of a GPTQ layer (no {name.rsplit('.', 1)[0]}.qweight); "
-                             "the checkpoint mixes quantisation formats")
-        role = tensor_role(name, info.shape, recipe)
-        if info.dtype not in FLOAT_CODES:
-            raise EdgeqError(f"{info.file}: tensor {name} has dtype {info.dtype} and is not part of a GPTQ layer; edgeq "
-                             "cannot interpret it")
-        if role == "head" and head_from is not None:
-            head_shape = info.shape
-            continue
-        if role in ("linear", "head"):
-            keep = recipe.keeps(name) if role == "linear" else None
-            if keep:
-                entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "keep", info.nbytes, info.numel * 2,
-                                         f"recipe {recipe.name}: keep_bf16 {keep!r}"))
-                continue
-            head_shape = info.shape if role == "head" else head_shape
-            rule = weight_rule(info.shape, info.dtype, scheme)
-            if rule:
-                problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
-            what = f"{info.dtype} head" if role == "head" else f"{info.dtype} layer (not GPTQ-quantised in the input)"
-            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes,
-                                     0 if rule else quantized_bytes(*info.shape, scheme.group_size),
-                                     f"{what}: quantised with {method}", method=method))
-        else:
-            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "copy", info.nbytes, info.numel * 2))
-    tied = recipe.head not in ckpt.tensors and f"{head_module}.qweight" not in ckpt.tensors
-    emb = next((e for e in entries if e.role == "embedding"), None)
-    if head_from is not None:
-        head = _head_from(head_from, recipe, head_shape or (emb.shape if emb else None), method)
-        rule = weight_rule(head.shape, head.dtype, scheme)
-        if rule:
-            problems.append(f"{recipe.head} (--head-from) {list(head.shape)}: {rule}")
-        entries.append(replace(head, bytes_out=0 if rule else quantized_bytes(*head.shape, scheme.group_size)))
-    elif tied:
-        if emb is None:
-            raise EdgeqError(
-                f"{ckpt.root}: no output head ({recipe.head} or {head_module}.qweight) and no embedding table "
-                f"({', '.join(recipe.embeddings)}) to tie it to; the recipe's head/embeddings names do not match this checkpoint"
-            )
-        rule = weight_rule(emb.shape, emb.dtype, scheme)
-        if rule:
-            problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
-        entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in,
-                                 0 if rule else quantized_bytes(*emb.shape, scheme.group_size),
-                                 f"untied from {emb.name}: quantised with {method}", method=method))
-    if not any(e.quantized and e.role == "linear" for e in entries) and not problems:
-        problems.append(f"no Linear layers found among {len(entries)} tensors: nothing to quantise besides the head")
+        if name not in parts:
+            _float_tensor(x, name, info, found)
+        elif name.endswith(".qweight"):
+            _gptq_layer(x, name.removesuffix(".qweight"), found)
+    tied = recipe.head not in ckpt.tensors and f"{x.head_module}.qweight" not in ckpt.tensors
+    _add_head(x, found, tied)
+    if not any(e.quantized and e.role == Role.LINEAR for e in found.entries) and not found.problems:
+        found.problems.append(f"no Linear layers found among {len(found.entries)} tensors: nothing to quantise besides the head")
     source = dict(cfg.record)
     source["requantize_method"] = method
     if dropped:
         source["dropped_zero_biases"] = sorted(dropped)
-    plan = Plan(scheme, METHOD, recipe.name, tuple(entries), tuple(problems), tied, source=source)
-    if not problems:
+    plan = Plan(x.scheme, METHOD, recipe.name, tuple(found.entries), tuple(found.problems), tied, source=source)
+    if not found.problems:
         assert_head_quantized(plan)  # assertion 1 of 3: at plan time
     return plan
+
+
+def _gptq_layer(x: _Inputs, module: str, found: _Found) -> None:
+    """A module with ``M.qweight``: its entry, or its problem (the head's, with --head-from, only its shape)."""
+    role = Role.HEAD if module == x.head_module else Role.LINEAR
+    if role == Role.HEAD and x.head_from is not None:  # replaced: only its shape is needed, to check the original's
+        found.head_shape = _module_source(x.ckpt, x.cfg, module)[1]
+        return
+    entry, problem = _gptq_entry(x.ckpt, x.cfg, module, role, x.scheme, x.method, x.recipe, x.requantize)
+    if problem:
+        found.problems.append(problem)
+    if entry is not None:
+        found.head_shape = entry.shape if role == Role.HEAD else found.head_shape
+        found.entries.append(entry)
+
+
+def _float_tensor(x: _Inputs, name: str, info: TensorInfo, found: _Found) -> None:
+    """A tensor outside the GPTQ layers: float weights are quantised with the method (reported), the rest copied."""
+    if name.endswith(_FOREIGN_SUFFIXES):
+        raise EdgeqError(f"{info.file}: tensor {name} is not part of a GPTQ layer (no {name.rsplit('.', 1)[0]}.qweight); "
+                         "the checkpoint mixes quantisation formats")
+    role = tensor_role(name, info.shape, x.recipe)
+    if info.dtype not in FLOAT_CODES:
+        raise EdgeqError(f"{info.file}: tensor {name} has dtype {info.dtype} and is not part of a GPTQ layer; edgeq "
+                         "cannot interpret it")
+    if role == Role.HEAD and x.head_from is not None:
+        found.head_shape = info.shape
+        return
+    if role not in (Role.LINEAR, Role.HEAD):
+        found.entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.COPY, info.nbytes, info.numel * 2))
+        return
+    keep = x.recipe.keeps(name) if role == Role.LINEAR else None
+    if keep:
+        found.entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.KEEP, info.nbytes,
+                                       info.numel * 2, f"recipe {x.recipe.name}: keep_bf16 {keep!r}"))
+        return
+    found.head_shape = info.shape if role == Role.HEAD else found.head_shape
+    rule = weight_rule(info.shape, info.dtype, x.scheme)
+    if rule:
+        found.problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
+    what = f"{info.dtype} head" if role == Role.HEAD else f"{info.dtype} layer (not GPTQ-quantised in the input)"
+    found.entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.QUANTIZE, info.nbytes,
+                                   0 if rule else packed_bytes(info.shape, x.scheme),
+                                   f"{what}: quantised with {x.method}", method=x.method))
+
+
+def _add_head(x: _Inputs, found: _Found, tied: bool) -> None:
+    """The head entry when the walk did not add one: from --head-from, or untied from the embedding table."""
+    recipe, method = x.recipe, x.method
+    emb = next((e for e in found.entries if e.role == Role.EMBEDDING), None)
+    if x.head_from is not None:
+        head = _head_from(x.head_from, recipe, found.head_shape or (emb.shape if emb else None), method)
+        rule = weight_rule(head.shape, head.dtype, x.scheme)
+        if rule:
+            found.problems.append(f"{recipe.head} (--head-from) {list(head.shape)}: {rule}")
+        found.entries.append(replace(head, bytes_out=0 if rule else packed_bytes(head.shape, x.scheme)))
+    elif tied:
+        emb = tied_embedding(x.ckpt, found.entries, recipe, also=f"{x.head_module}.qweight")
+        rule = weight_rule(emb.shape, emb.dtype, x.scheme)
+        if rule:
+            found.problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
+        found.entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, Role.HEAD, Action.QUANTIZE,
+                                       emb.bytes_in, 0 if rule else packed_bytes(emb.shape, x.scheme),
+                                       f"untied from {emb.name}: quantised with {method}", method=method))
 
 
 def _zero_biases_without_a_place(ckpt: Checkpoint, modules: set[str]) -> list[str]:
@@ -403,160 +324,3 @@ def _zero_biases_without_a_place(ckpt: Checkpoint, modules: set[str]) -> list[st
                              "its config (fix config.json, e.g. attention_bias/mlp_bias, or the checkpoint)")
         out.append(name)
     return out
-
-
-# ------------------------------------------------------------------------------------------------------- streaming
-@dataclass(frozen=True)
-class EntryStats:
-    """What streaming one GPTQ entry measured. rel_error: ||w_out - w_in|| / ||w_in|| against the input's exact
-    dequantisation; for repacked layers also the largest |w_out - w_in| as a fraction of the bound and of |scale|."""
-
-    rel_error: float
-    max_over_bound: float = 0.0
-    max_over_scale: float = 0.0
-
-
-Progress = Callable[[int, str], None]
-
-
-def _row_step(e: PlanEntry, layout: tinygemm.TinygemmLayout) -> int:
-    n, k = e.shape
-    return min(n, tinygemm.row_block(layout, ROW_BLOCK_ELEMENTS // k))
-
-
-def _decode_rows(e: PlanEntry, t: tuple, a: int, b: int) -> GPTQLinear:
-    """Outputs a..b of one GPTQ layer (a, b multiples of the 32/bits outputs per qzeros word)."""
-    src = e.gptq
-    qweight, qzeros, scales, g_idx = t
-    pf = 32 // src.bits
-    try:
-        return decode_gptq(e.module, qweight[:, a:b].contiguous(), qzeros[:, a // pf : b // pf].contiguous(),
-                           scales[:, a:b].contiguous(), g_idx, bits=src.bits, group_size=src.group_size, sym=src.sym,
-                           checkpoint_format=src.checkpoint_format)
-    except EdgeqError as err:
-        if (a, b) == (0, e.shape[0]):
-            raise
-        raise EdgeqError(f"{err} [output indices relative to row {a} of {e.module}]") from None
-
-
-def stream_entry(ckpt: Checkpoint, e: PlanEntry, scheme: Scheme, layout, writer: ShardedWriter, progress: Progress) -> EntryStats:
-    """Write one GPTQ entry (repack / requantize / keep) in row blocks of whole layout blocks."""
-    src = e.gptq
-    t = (ckpt.read(src.qweight), ckpt.read(src.qzeros), ckpt.read(src.scales),
-         ckpt.read(src.g_idx) if src.g_idx else None)
-    n, k = e.shape
-    g = scheme.group_size
-    step = _row_step(e, layout)
-    sq_err = sq_norm = 0.0
-    worst_bound = worst_scale = 0.0
-    sz_parts, perm = [], None
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        lin = _decode_rows(e, t, a, b)
-        if e.action == "keep":
-            writer.write(e.name, lin.dequantize(torch.bfloat16))
-        elif e.action == "requantize":
-            w = lin.dequantize()
-            qt = quantize_groups(w, g, e.method, name=f"{e.module} rows {a}..{b}")
-            tinygemm.check_values(qt.q, e.module)
-            writer.write(f"{e.module}.qweight", tinygemm._op_pack(qt.q))
-            sz_parts.append(qt.scales_and_zeros)
-            sq_err += float(qt.sq_error.sum())
-            sq_norm += float(qt.sq_norm.sum())
-        else:
-            tw = to_tinygemm(lin, g, allow_split=src.group_size not in tinygemm.GROUP_SIZES)
-            if (tw.perm is not None) != e.perm or (perm is not None and not torch.equal(perm, tw.perm)):
-                raise EdgeqError(f"{e.module}: the input permutation changed between the plan and the data; the checkpoint changed while being read?")
-            perm = tw.perm
-            tinygemm.check_values(tw.q, e.module)
-            writer.write(f"{e.module}.qweight", tinygemm._op_pack(tw.q))
-            sz_parts.append(tw.scales_and_zeros)
-            stats = _check_exact(e.module, lin, tw, a)
-            sq_err, sq_norm = sq_err + stats[0], sq_norm + stats[1]
-            worst_bound, worst_scale = max(worst_bound, stats[2]), max(worst_scale, stats[3])
-        progress(e.bytes_in * (b - a) // n, e.name)
-    if e.action != "keep":
-        writer.write(f"{e.module}.scales_and_zeros", torch.cat(sz_parts, dim=1))
-    if perm is not None:
-        writer.write(f"{e.module}.perm", perm.to(torch.int64).contiguous())
-    rel = (sq_err / sq_norm) ** 0.5 if sq_norm > 0 else 0.0
-    return EntryStats(rel, worst_bound, worst_scale)
-
-
-def _check_exact(module: str, lin: GPTQLinear, tw, row0: int) -> tuple[float, float, float, float]:
-    """Check a repacked block against GPTQ's dequantisation, and measure it, from the parameters (O(K + N*K/G)).
-
-    With d = q - 8 and c = 8 - z, GPTQ's weight is (d + c) s and edgeq's is d s' + z' (s', z' the stored bf16 scale
-    and zero), so the error of every element is ``d (s' - s) + (z' - c s)``: it lives in the parameters alone, once
-    the columns are grouped as g_idx says. Hence three checks cover every element exactly:
-
-    1. ``g_idx[perm] == k // G_src``: after the permutation every column sits in its own group (q moves with it);
-    2. ``|s' - s| <= 2^-8 |s|`` and ``|z' - c s| <= 2^-8 |c s|`` per (group, output), in float64 (exact here);
-    3. then ``|d (s' - s) + (z' - c s)| <= 2^-8 |s| (|d| + |c|)``, the stated bound, for every d.
-
-    A violation would be a bug and raises. Returns (sum sq error, sum sq norm, largest error / bound, largest error
-    / |s|); the last two are upper bounds from the parameters (the error at the group's largest |q - 8|), the sums
-    are exact, from per-group sums of d and d^2."""
-    n, k = tw.q.shape
-    g, g_src = tw.group_size, lin.group_size
-    gi = lin.g_idx if tw.perm is None else lin.g_idx[tw.perm]
-    if not torch.equal(gi, torch.arange(k) // g_src):
-        raise EdgeqError(f"{module}: after the permutation some column is outside its group; this is a bug in edgeq, please report it")
-    parent = torch.arange(k // g) * g // g_src  # the checkpoint's group of each tinygemm group (split: repeated)
-    s, c = lin.scales.double()[parent], 8.0 - lin.zeros.double()[parent]  # [Gt, N]
-    sz = tw.scales_and_zeros.double()
-    es, ez = (sz[..., 0] - s).abs(), (sz[..., 1] - c * s).abs()
-    unit = 2.0**-8 * s.abs()
-    bad = (es > unit) | (ez > unit * c.abs())
-    if bool(bad.any()):
-        j, r = (int(v) for v in torch.nonzero(bad)[0])
-        raise EdgeqError(
-            f"{module}: stored scale/zero of group {j}, output {row0 + r} ({float(sz[j, r, 0])}, {float(sz[j, r, 1])}) are "
-            f"not the bf16 roundings of GPTQ's ({float(s[j, r])}, {float(c[j, r] * s[j, r])}); this is a bug in edgeq, please report it"
-        )
-    d = tw.q.reshape(n, k // g, g).to(torch.int32) - 8
-    s1, s2 = d.sum(-1).t().double(), (d * d).sum(-1).t().double()  # [Gt, N]
-    dmax = d.abs().amax(-1).t().double() if d.numel() else s1
-    sez = (sz[..., 1] - c * s)
-    ses = (sz[..., 0] - s)
-    sq_err = float((s2 * ses * ses + 2 * s1 * ses * sez + g * sez * sez).sum())
-    sq_norm = float(((s2 + 2 * c * s1 + g * c * c) * s * s).sum())
-    tiny = torch.finfo(torch.float64).tiny
-    over_bound = float(torch.maximum(es / unit.clamp_min(tiny), ez / (unit * c.abs()).clamp_min(tiny)).max()) if es.numel() else 0.0
-    over_scale = float(((dmax * es + ez) / s.abs().clamp_min(tiny)).max()) if es.numel() else 0.0
-    return sq_err, sq_norm, over_bound, over_scale
-
-
-def ingest_summary(plan: Plan, stats: dict[str, EntryStats]) -> dict:
-    """The manifest's GPTQ-ingest record: source settings, exactness, what was requantised or kept, and why."""
-    repacked = [e for e in plan.entries if e.action == "repack"]
-    return {
-        "source": plan.source,
-        "exactness": {
-            "bound": BOUND,
-            "repacked_modules": len(repacked),
-            "max_error_over_bound": max((stats[e.module].max_over_bound for e in repacked), default=0.0),
-            "max_error_over_scale": max((stats[e.module].max_over_scale for e in repacked), default=0.0),
-        },
-        "requantized_modules": {e.module: e.reason for e in plan.entries if e.action == "requantize"},
-        "float_quantized_modules": {e.module: e.reason for e in plan.entries if e.action == "quantize"},
-    }
-
-
-def describe(plan: Plan) -> list[str]:
-    """One line per reported choice (the CLI prints them)."""
-    lines = []
-    src = plan.source
-    rep = sum(e.action == "repack" for e in plan.entries)
-    perm = sum(e.perm for e in plan.entries)
-    lines.append(f"GPTQ input ({src.get('checkpoint_format')}, {src.get('bits')}-bit g{src.get('group_size')}, "
-                 f"sym={src.get('sym')}, desc_act={src.get('desc_act')}): {rep} layers repacked exactly"
-                 + (f", {perm} with an input permutation (M.perm)" if perm else ""))
-    for e in plan.entries:
-        if e.action == "quantize" or (e.gptq is not None and e.action in ("requantize", "keep")):
-            lines.append(f"{e.module}: {e.action}: {e.reason}")
-    dropped = src.get("dropped_zero_biases") or []
-    if dropped:
-        lines.append(f"left out {len(dropped)} all-zero bias tensor(s) of layers this architecture has no bias for "
-                     f"(an old AutoGPTQ export habit), e.g. {dropped[0]}")
-    return lines

@@ -1,12 +1,20 @@
 """The conversion plan, from headers alone: every tensor gets a role and an action, before any weight is read.
 
-Roles: ``linear`` (2-D ``*.weight`` of a projection), ``head``, ``embedding``, ``norm`` (1-D ``*norm*``),
-``bias``, ``other``. Actions: ``quantize`` (a float weight -> ``M.qweight`` + ``M.scales_and_zeros``), ``keep`` (a
-Linear the recipe keeps in bf16, reported), ``copy`` (cast to bf16), and for GPTQ input (edgeq/convert/ingest_gptq.py) ``repack``
-(a 4-bit GPTQ layer mapped exactly onto tinygemm) and ``requantize`` (a GPTQ layer dequantised exactly and quantised
-again with the entry's method). Quantised outputs of act-order layers add ``M.perm`` (``PlanEntry.perm``). The head
-is always quantised; with tied embeddings it is quantised *from* the embedding table (``source``), which is also
-copied as bf16, and the output is untied.
+Roles (:class:`edgeq.keys.Role`): ``linear`` (2-D ``*.weight`` of a projection), ``head``, ``embedding``, ``norm``
+(1-D ``*norm*``), ``bias``, ``other``. Actions (:class:`edgeq.keys.Action`): ``quantize`` (a float weight -> the
+kernel's packed tensors, :meth:`edgeq.layouts.base.Layout.out_tensors`), ``keep`` (a Linear the recipe keeps in bf16,
+reported), ``copy`` (cast to bf16), and for GPTQ input (edgeq/convert/ingest_gptq.py) ``repack`` (a 4-bit GPTQ layer
+mapped exactly onto tinygemm) and ``requantize`` (a GPTQ layer dequantised exactly and quantised again with the
+entry's method). Quantised outputs of act-order layers add ``M.perm`` (``PlanEntry.perm``). The head is always
+quantised; with tied embeddings it is quantised *from* the embedding table (``source``), which is also copied as
+bf16, and the output is untied.
+
+The head is the recipe's (``Recipe.head``, ``lm_head.weight`` in every bundled recipe): its module name
+(:attr:`Plan.head_module`) is what the manifest records, the GPTQ driver yields and the written checkpoint is
+verified against.
+
+Everything that depends on the kernel (output tensors, bytes, shape rules) is asked of its layout
+(:func:`edgeq.layouts.base.get`), never branched on here.
 
 A tensor that should be quantised but cannot be is collected into ``Plan.problems`` (name, shape, rule); callers
 refuse the whole plan when there are any. The quantizer and ``edgeq inspect`` build the same plan, so they cannot
@@ -19,17 +27,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeq.io.hf import Checkpoint
+from edgeq.convert.packers import packer
 from edgeq.convert.recipe import Recipe
-from edgeq.convert import w4a8 as convert_w4a8  # the amx_w4a8 tensors, rules and sizes (imports nothing from here)
-from edgeq.io.safetensors import FLOAT_CODES
 from edgeq.errors import EdgeqError
-from edgeq.layouts import tinygemm
+from edgeq.io.hf import Checkpoint
+from edgeq.io.safetensors import FLOAT_CODES
+from edgeq.keys import QUANTIZED_ACTIONS, Action, Role
+from edgeq.layouts.base import Layout, TensorSpec, get
 from edgeq.scheme import Scheme
 
-HEAD_MODULE = "lm_head"
 _QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".scales_and_zeros", ".weight_packed", ".SCB")
-QUANTIZED_ACTIONS = ("quantize", "repack", "requantize")  # actions whose output is M.qweight + M.scales_and_zeros
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,8 @@ class PlanEntry:
     source: str  # the input tensor it comes from (differs for an untied head, and for GPTQ layers: M.qweight)
     shape: tuple[int, ...]  # the logical [N, K] for weights, whatever their stored shape
     dtype: str
-    role: str
-    action: str
+    role: Role
+    action: Action
     bytes_in: int
     bytes_out: int
     reason: str = ""
@@ -78,20 +85,11 @@ class PlanEntry:
     def quantized(self) -> bool:
         return self.action in QUANTIZED_ACTIONS
 
-    def out_tensors(self, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype code, shape) of what this entry writes."""
+    def out_tensors(self, scheme: Scheme) -> list[TensorSpec]:
+        """(name, dtype code, shape) of what this entry writes: its layout's tensors, or itself in bf16."""
         if not self.quantized:
             return [(self.name, "BF16", self.shape)]
-        n, k = self.shape
-        if scheme.kernel == convert_w4a8.KERNEL:
-            return convert_w4a8.out_tensors(self.module, n, k, scheme)
-        out = [
-            (f"{self.module}.qweight", "U8", (n, k // 2)),
-            (f"{self.module}.scales_and_zeros", "BF16", (k // self.group(scheme), n, 2)),
-        ]
-        if self.perm:
-            out.append((f"{self.module}.perm", "I64", (k,)))
-        return out
+        return layout_of(scheme).out_tensors(self.module, *self.shape, self.group(scheme), self.perm)
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class Plan:
     @property
     def bytes_in(self) -> int:
         # a tied head reads the embedding a second time but stores nothing new in the input
-        return sum(e.bytes_in for e in self.entries if not (self.tied and e.role == "head"))
+        return sum(e.bytes_in for e in self.entries if not (self.tied and e.role == Role.HEAD))
 
     @property
     def bytes_out(self) -> int:
@@ -116,7 +114,12 @@ class Plan:
 
     @property
     def head(self) -> PlanEntry:
-        return next(e for e in self.entries if e.role == "head")
+        return next(e for e in self.entries if e.role == Role.HEAD)
+
+    @property
+    def head_module(self) -> str:
+        """The output head's module name, from the recipe (``lm_head`` for ``lm_head.weight``)."""
+        return self.head.module
 
     def check(self) -> None:
         if self.problems:
@@ -126,25 +129,27 @@ class Plan:
 
 
 def assert_head_quantized(plan: Plan) -> None:
-    heads = [e for e in plan.entries if e.role == "head"]
+    heads = [e for e in plan.entries if e.role == Role.HEAD]
     if len(heads) != 1 or not heads[0].quantized:
-        raise EdgeqError(f"plan does not quantise the output head ({[(e.name, e.action) for e in heads]}); this is never allowed")
+        found = [(e.name, str(e.action)) for e in heads]  # str: the message shows 'keep', not <Action.KEEP: 'keep'>
+        raise EdgeqError(f"plan does not quantise the output head ({found}); this is never allowed")
 
 
-def quantized_bytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
-    """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2, plus 8*K for an int64 M.perm."""
-    return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
+def layout_of(scheme: Scheme) -> Layout:
+    """The packed layout ``scheme`` writes (its kernel's registry entry)."""
+    return get(scheme.kernel)
 
 
-def _scheme_bytes(shape: tuple[int, ...], scheme: Scheme, group_size: int = 0) -> int:
-    if scheme.kernel == convert_w4a8.KERNEL:
-        return convert_w4a8.quantized_bytes(*shape, scheme.group_size)
-    return quantized_bytes(*shape, group_size or scheme.group_size)
+def packed_bytes(shape: tuple[int, ...], scheme: Scheme, group_size: int = 0, perm: bool = False) -> int:
+    """Bytes of one quantised [N, K] weight in the scheme's layout at ``group_size`` (0: the scheme's)."""
+    return layout_of(scheme).nbytes(*shape, group_size or scheme.group_size, perm)
 
 
 def _entry_group(recipe: Recipe, name: str, scheme: Scheme) -> int:
-    """0 (the scheme's group size) unless the recipe's group_sizes give ``name`` a finer one; W4A8 stays uniform."""
-    if scheme.kernel == convert_w4a8.KERNEL:
+    """0 (the scheme's group size) unless the recipe's group_sizes give ``name`` a finer one the layout takes per
+    module. Only tinygemm takes G per call; the W4A8 layout keeps one group size per checkpoint (its ``group_sizes``
+    are the sizes a *scheme* may name), so there a recipe's group_sizes are ignored."""
+    if not packer(scheme.kernel).per_module_groups:
         return 0
     g = recipe.group_size(name, scheme.group_size)
     return g if g != scheme.group_size else 0
@@ -155,42 +160,31 @@ def group_sizes(plan: "Plan") -> dict[str, int]:
     return {e.module: e.group_size for e in plan.entries if e.quantized and e.group_size}
 
 
-def _role(name: str, shape: tuple[int, ...], recipe: Recipe) -> str:
+def tensor_role(name: str, shape: tuple[int, ...], recipe: Recipe) -> Role:
+    """What tensor ``name`` of the input is, from its name, its shape and the recipe's head/embedding names."""
     if name == recipe.head:
-        return "head"
+        return Role.HEAD
     if name in recipe.embeddings:
-        return "embedding"
+        return Role.EMBEDDING
     if name.endswith(".bias"):
-        return "bias"
+        return Role.BIAS
     if len(shape) == 1 and "norm" in name.lower():
-        return "norm"
+        return Role.NORM
     if len(shape) == 2 and name.endswith(".weight"):
-        return "linear"
-    return "other"
+        return Role.LINEAR
+    return Role.OTHER
 
 
-def _rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
-    """Why a 2-D weight cannot be quantised with this scheme, or None."""
-    if scheme.kernel == convert_w4a8.KERNEL:
-        return convert_w4a8.plan_rule(shape, dtype, scheme)
+def weight_rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
+    """Why a 2-D weight [N, K] cannot be quantised with this scheme (dtype, then the layout's shape rule at the
+    scheme's group size, with the numbers and the fix), or None."""
     if dtype not in FLOAT_CODES:
         return f"dtype {dtype} is not bf16/fp16/fp32 (an already-quantised or integer tensor)"
-    n, k = shape
-    g = scheme.group_size
-    if k % g:
-        return f"K={k} is not a multiple of the group size {g}" + _suggest(k)
-    if n % tinygemm.ROW_MULTIPLE:
-        return f"N={n} is not a multiple of {tinygemm.ROW_MULTIPLE} (tinygemm packs rows in 16s)"
-    return None
+    return layout_of(scheme).rule(*shape, scheme.group_size)
 
 
-def _suggest(k: int) -> str:
-    fits = [g for g in tinygemm.GROUP_SIZES if k % g == 0]
-    return f"; use a group size of {', '.join(map(str, fits))}" if fits else "; keep it in bf16 with a recipe (keep_bf16)"
-
-
-tensor_role = _role  # public names for the GPTQ ingest planner (edgeq/convert/ingest_gptq.py)
-weight_rule = _rule
+_role = tensor_role  # alias to sweep: edgeq/inspect/kinds.py imports ``_role as plan_role``
+_rule = weight_rule
 
 
 def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) -> Plan:
@@ -202,44 +196,53 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
                 f"{info.file}: tensor {name} looks already quantised but config.json has no quantization_config; "
                 "edgeq quantises float checkpoints, and ingests GPTQ ones whose config says quant_method \"gptq\""
             )
-        role = _role(name, info.shape, recipe)
-        if role in ("linear", "head"):
-            keep = recipe.keeps(name) if role == "linear" else None
+        role = tensor_role(name, info.shape, recipe)
+        if role in (Role.LINEAR, Role.HEAD):
+            keep = recipe.keeps(name) if role == Role.LINEAR else None
             if keep:
-                entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "keep", info.nbytes, info.numel * 2,
-                                         f"recipe {recipe.name}: keep_bf16 {keep!r}"))
+                entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.KEEP, info.nbytes,
+                                         info.numel * 2, f"recipe {recipe.name}: keep_bf16 {keep!r}"))
                 continue
-            rule = _rule(info.shape, info.dtype, scheme)
+            rule = weight_rule(info.shape, info.dtype, scheme)
             if rule:
                 problems.append(f"{name} {list(info.shape)} {info.dtype}: {rule}")
             g = _entry_group(recipe, name, scheme)
-            out = _scheme_bytes(info.shape, scheme, g) if not rule else 0
-            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "quantize", info.nbytes, out, group_size=g))
+            out = packed_bytes(info.shape, scheme, g) if not rule else 0
+            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.QUANTIZE, info.nbytes, out,
+                                     group_size=g))
         else:
             if info.dtype not in FLOAT_CODES:
                 raise EdgeqError(f"{info.file}: tensor {name} has dtype {info.dtype}; edgeq expects a bf16, fp16 or fp32 checkpoint")
-            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, "copy", info.nbytes, info.numel * 2))
+            entries.append(PlanEntry(name, name, info.shape, info.dtype, role, Action.COPY, info.nbytes, info.numel * 2))
     tied = recipe.head not in ckpt.tensors
     if tied:
-        emb = next((e for e in entries if e.role == "embedding"), None)
-        if emb is None:
-            raise EdgeqError(
-                f"{ckpt.root}: no output head ({recipe.head}) and no embedding table ({', '.join(recipe.embeddings)}) to tie it to; "
-                "the recipe's head/embeddings names do not match this checkpoint"
-            )
-        rule = _rule(emb.shape, emb.dtype, scheme)
+        emb = tied_embedding(ckpt, entries, recipe)
+        rule = weight_rule(emb.shape, emb.dtype, scheme)
         if rule:
             problems.append(f"{recipe.head} (tied to {emb.name}) {list(emb.shape)} {emb.dtype}: {rule}")
         g = _entry_group(recipe, recipe.head, scheme)
-        out = _scheme_bytes(emb.shape, scheme, g) if not rule else 0
-        entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, "head", "quantize", emb.bytes_in, out,
-                                 f"untied from {emb.name}", group_size=g))
-    if not any(e.quantized and e.role == "linear" for e in entries):
+        out = packed_bytes(emb.shape, scheme, g) if not rule else 0
+        entries.append(PlanEntry(recipe.head, emb.name, emb.shape, emb.dtype, Role.HEAD, Action.QUANTIZE, emb.bytes_in,
+                                 out, f"untied from {emb.name}", group_size=g))
+    if not any(e.quantized and e.role == Role.LINEAR for e in entries):
         problems.append(f"no Linear projection weights found among {len(entries)} tensors: nothing to quantise besides the head")
     plan = Plan(scheme, method, recipe.name, tuple(entries), tuple(problems), tied)
     if not problems:
         assert_head_quantized(plan)  # assertion 1 of 3: at plan time
     return plan
+
+
+def tied_embedding(ckpt: Checkpoint, entries: list[PlanEntry], recipe: Recipe, also: str = "") -> PlanEntry:
+    """The embedding entry a head-less checkpoint's head is quantised from; an error naming the recipe's names when
+    there is none (``also``: another head name looked for, e.g. GPTQ's ``lm_head.qweight``)."""
+    emb = next((e for e in entries if e.role == Role.EMBEDDING), None)
+    if emb is None:
+        head = f"{recipe.head} or {also}" if also else recipe.head
+        raise EdgeqError(
+            f"{ckpt.root}: no output head ({head}) and no embedding table ({', '.join(recipe.embeddings)}) to tie it to; "
+            "the recipe's head/embeddings names do not match this checkpoint"
+        )
+    return emb
 
 
 def plan_rows(plan: Plan) -> list[dict]:

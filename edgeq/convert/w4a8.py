@@ -1,5 +1,6 @@
 """``edgeq quantize --scheme w4a8-gG``: the pieces the quantize pipeline (edgeq/convert/pipeline.py, edgeq/convert/plan.py)
-calls for the ``amx_w4a8`` layout. The pipeline itself (plan, streaming, shards, manifest, commit) is shared.
+calls for the ``amx_w4a8`` layout, through :func:`edgeq.convert.packers.packer` (the W4A16 counterpart is
+edgeq/convert/w4a16.py). The pipeline itself (plan, streaming, shards, manifest, commit) is shared.
 
 Per quantised Linear ``M`` of shape [N, K], group size G, ``bk = min(G, 128)`` (= G for 32/64/128)::
 
@@ -24,12 +25,15 @@ Nothing here imports edgeq.convert.plan or edgeq.convert.pipeline (they call in,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, ClassVar
 
 import torch
 
-from edgeq.io.safetensors import FLOAT_CODES
 from edgeq.errors import EdgeqError
+from edgeq.io.manifest import Manifest
+from edgeq.io.safetensors import FLOAT_CODES
+from edgeq.keys import Kernel
 from edgeq.layouts import w4a8 as layout
 from edgeq.quantize.w4a8 import METHODS, group_sq_error, quantize_w4a8
 from edgeq.scheme import Scheme
@@ -99,8 +103,12 @@ def quantize_entry(
     block. ``name`` names the source tensor in errors; ``module`` the output prefix (default: ``name`` without
     ``.weight``).
     """
+    return _quantize(read_rows, n, k, scheme.group_size, method, name, write, progress, module)
+
+
+def _quantize(read_rows, n: int, k: int, g: int, method: str, name: str, write, progress=None, module=None) -> float:
+    """:func:`quantize_entry` at group size ``g``."""
     module = module or name.removesuffix(".weight")
-    g = scheme.group_size
     layout.check_shape(name, n, k, g)
     step = row_step(n, k)
     scales, zeros = [], []
@@ -134,6 +142,7 @@ class W4A8Layout:
     """
 
     group_size: int
+    kernel: ClassVar[Kernel] = KERNEL
 
     def to_json(self) -> dict:
         return layout.fingerprint(self.group_size)
@@ -168,3 +177,46 @@ def verify_modules(directory, modules, group_size: int, found: dict) -> None:
             if info.dtype != code or list(info.shape) != want:
                 raise EdgeqError(f"{directory}: {info.name} is {info.dtype} {list(info.shape)}, expected {code} {want} "
                                  f"for N={qw.shape[0] * 32}, K={qw.shape[1] * bk}, G={group_size}")
+
+
+def describe(record: W4A8Layout) -> str:
+    """The packed layout written (the summary line of ``edgeq quantize``): fixed bytes, nothing measured."""
+    return f"amx_w4a8 {record.layout_hash[:12]} (fixed bytes, the same on every CPU)"
+
+
+def runs_on(record: dict) -> str:
+    """The machines that run the stored bytes as they are: all of them (the layout is fixed by the kernel's source)."""
+    return ("any x86-64 CPU, unchanged: the amx_w4a8 layout is fixed by the kernel's source (version "
+            f"{record.get('version')}, 32-row blocks, K blocks of {record.get('block_k')}), not measured per machine. "
+            "edgeq's native kernel uses AMX, AVX512-VNNI, AVX-VNNI or AVX2 when present; other CPUs run the "
+            "bit-exact portable path")
+
+
+class _W4A8:
+    """The converter's side of the amx_w4a8 layout (:class:`edgeq.convert.packers.Packer`)."""
+
+    kernel = KERNEL
+    zero_point_domain = "int"  # w = (q - z) * s, z an integer 0..15
+    per_module_groups = False  # one group size per checkpoint: a recipe's group_sizes are ignored
+
+    def check_options(self, scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
+        check_options(scheme, method, gptq_input=gptq_input)
+
+    def record(self, scheme: Scheme) -> W4A8Layout:
+        return layout_record(scheme)
+
+    def describe(self, record: W4A8Layout) -> str:
+        return describe(record)
+
+    def runs_on(self, layout_json: dict) -> str:
+        return runs_on(layout_json)
+
+    def quantize(self, read_rows, n: int, k: int, group_size: int, method: str, *, name: str, module: str,
+                 record: W4A8Layout, write, progress) -> float:
+        return _quantize(read_rows, n, k, group_size, method, name, write, progress, module)
+
+    def verify(self, directory: Path, manifest: Manifest, found: dict) -> None:
+        verify_modules(directory, manifest.quantized_modules, Scheme.parse(manifest.scheme).group_size, found)
+
+
+PACKER = _W4A8()

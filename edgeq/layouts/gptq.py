@@ -164,16 +164,27 @@ def decode_gptq(
         bad = int((~torch.isfinite(scales32)).sum())
         raise EdgeqError(f"{name}.scales: {bad} NaN/Inf value(s); the checkpoint is corrupt")
 
-    if g_idx is None:
-        gi = torch.arange(k, dtype=torch.int64) // g
-    else:
-        if g_idx.dim() != 1 or g_idx.numel() != k or g_idx.is_floating_point():
-            raise EdgeqError(f"{name}.g_idx: expected an integer tensor [{k}] (K from qweight), got {g_idx.dtype} {list(g_idx.shape)}")
-        gi = g_idx.to(torch.int64)
-        if k and (int(gi.min()) < 0 or int(gi.max()) >= gc):
-            raise EdgeqError(f"{name}.g_idx: values {int(gi.min())}..{int(gi.max())} outside 0..{gc - 1} ({gc} groups)")
-
+    gi = _group_index(name, g_idx, k, g, gc)
     q = _unpack_fields(qweight, bits).permute(1, 0, 2).reshape(n, k).contiguous()  # [N, K/pf, pf] -> [N, K]
+    zeros = _decode_zeros(name, qzeros, bits, gc, n, sym, checkpoint_format)
+    return GPTQLinear(name=name, bits=bits, group_size=g, q=q, zeros=zeros, scales=scales32, g_idx=gi)
+
+
+def _group_index(name: str, g_idx: torch.Tensor | None, k: int, g: int, gc: int) -> torch.Tensor:
+    """int64 [K]: the stored g_idx checked (integers in 0..Gc-1), or ``k // G`` when there is none."""
+    if g_idx is None:
+        return torch.arange(k, dtype=torch.int64) // g
+    if g_idx.dim() != 1 or g_idx.numel() != k or g_idx.is_floating_point():
+        raise EdgeqError(f"{name}.g_idx: expected an integer tensor [{k}] (K from qweight), got {g_idx.dtype} {list(g_idx.shape)}")
+    gi = g_idx.to(torch.int64)
+    if k and (int(gi.min()) < 0 or int(gi.max()) >= gc):
+        raise EdgeqError(f"{name}.g_idx: values {int(gi.min())}..{int(gi.max())} outside 0..{gc - 1} ({gc} groups)")
+    return gi
+
+
+def _decode_zeros(name: str, qzeros: torch.Tensor, bits: int, gc: int, n: int, sym: bool, checkpoint_format: str) -> torch.Tensor:
+    """int16 [Gc, N] true zero points (the v2 convention; v1 words get ``0x11..1`` added modulo 2^32, see the module
+    docstring); with ``sym`` every one must be ``2^(bits-1)``."""
     zw = qzeros.to(torch.int64) & 0xFFFFFFFF
     if checkpoint_format == "gptq":
         zw = (zw + _field_ones(bits)) & 0xFFFFFFFF  # word-level, modulo 2^32: undoes the writer's borrows exactly
@@ -188,7 +199,7 @@ def decode_gptq(
                 f"output {nn}: {int(zeros[gg, nn])}, read as checkpoint_format={checkpoint_format!r}); "
                 f"check sym / checkpoint_format in quantization_config"
             )
-    return GPTQLinear(name=name, bits=bits, group_size=g, q=q, zeros=zeros, scales=scales32, g_idx=gi)
+    return zeros
 
 
 def group_perm(lin: GPTQLinear) -> torch.Tensor | None:

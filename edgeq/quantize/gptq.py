@@ -222,16 +222,7 @@ def gptq_quantize(
     then its own) and joined with :func:`concat_rows`. Memory: a few fp32 [N, K] and [K, K] tensors.
     Time: O(K^3) to prepare, O(N K^2) per weight.
     """
-    if w.dim() != 2 or not w.is_floating_point():
-        raise EdgeqError(f"{name}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}")
-    n, k = w.shape
-    if H.dim() != 2 or list(H.shape) != [k, k] or not H.is_floating_point():
-        raise EdgeqError(f"{name}: the Hessian must be float [{k}, {k}] for a weight {list(w.shape)}, got {H.dtype} {list(H.shape)}")
-    g = int(group_size)
-    if g <= 0 or k % g:
-        raise EdgeqError(f"{name} {list(w.shape)}: K={k} is not a multiple of the group size {group_size}")
-    if not bool(torch.isfinite(w).all()):
-        raise EdgeqError(f"{name}: {int((~torch.isfinite(w)).sum())} NaN/Inf value(s) in the weights")
+    n, k, g = _check_inputs(w, H, group_size, name)
     if prepared is None:
         prepared = prepare_hessian(H, damp, act_order, name=name)
     elif (prepared.perm is not None) != act_order:
@@ -265,17 +256,38 @@ def gptq_quantize(
         inv = torch.argsort(perm)
         Q, W_hat, out_perm = Q[:, inv].contiguous(), W_hat[:, inv].contiguous(), None
     sz = torch.stack((scales, zeros), dim=-1).to(torch.bfloat16)  # [K/G, N, 2], values already bf16
+    return _result(w, H, Q, W_hat, sz, g, out_perm, used, keep_dequantized)
 
+
+def _check_inputs(w: torch.Tensor, H: torch.Tensor, group_size: int, name: str) -> tuple[int, int, int]:
+    """(N, K, G) after checking w is a finite 2-D float [N, K], H a float [K, K] and G divides K."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise EdgeqError(f"{name}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}")
+    n, k = w.shape
+    if H.dim() != 2 or list(H.shape) != [k, k] or not H.is_floating_point():
+        raise EdgeqError(f"{name}: the Hessian must be float [{k}, {k}] for a weight {list(w.shape)}, got {H.dtype} {list(H.shape)}")
+    g = int(group_size)
+    if g <= 0 or k % g:
+        raise EdgeqError(f"{name} {list(w.shape)}: K={k} is not a multiple of the group size {group_size}")
+    if not bool(torch.isfinite(w).all()):
+        raise EdgeqError(f"{name}: {int((~torch.isfinite(w)).sum())} NaN/Inf value(s) in the weights")
+    return n, k, g
+
+
+def _result(w: torch.Tensor, H: torch.Tensor, Q: torch.Tensor, W_hat: torch.Tensor, sz: torch.Tensor, g: int,
+            perm: torch.Tensor | None, damp: float, keep_dequantized: bool) -> GPTQResult:
+    """The result with its error measures against the original ``w`` [N, K] (natural column order): output error
+    ``sum((w - w_hat) H (w - w_hat)^T)``, its norm ``sum(w H w^T)`` (float64 sums) and per-row squared errors."""
     w32 = w.to(torch.float32)
-    w_hat_nat = W_hat if out_perm is None else W_hat[:, torch.argsort(out_perm)]
+    w_hat_nat = W_hat if perm is None else W_hat[:, torch.argsort(perm)]
     err = w32 - w_hat_nat
     h32 = H.to(torch.float32)
     return GPTQResult(
         q=Q,
         scales_and_zeros=sz,
         group_size=g,
-        perm=out_perm,
-        damp=used,
+        perm=perm,
+        damp=damp,
         output_error=float(((err @ h32) * err).sum(dtype=torch.float64)),
         output_norm=float(((w32 @ h32) * w32).sum(dtype=torch.float64)),
         sq_error=err.double().square().sum(-1),

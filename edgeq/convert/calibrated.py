@@ -1,0 +1,208 @@
+"""``edgeq quantize --method gptq``: the plan, the calibration windows, and writing what the layer-streamed driver
+(:func:`edgeq.convert.calibrate.gptq_model`) yields.
+
+The driver calibrates one decoder layer at a time and yields results in execution order. The writer needs a
+declared order, so the quantised tensors are declared in the predicted execution order (layer by layer,
+q/k/v/o/gate/up/down, then the head: :func:`write_order`) after every copied tensor; a result that arrives before
+its turn is held (packed, N*K/2 bytes) until it is due (:class:`InOrder`). Peak memory: the driver's (one layer,
+the calibration activations) plus whatever is held, normally nothing. GPTQ writes the tinygemm layout only (the
+W4A8 packer refuses the method before anything is read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from edgeq.convert import w4a16
+from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, calibration_windows, gptq_model
+from edgeq.convert.plan import Plan, PlanEntry, build_plan, group_sizes, packed_bytes
+from edgeq.convert.recipe import Recipe
+from edgeq.convert.stream import Progress, copy_entry, rss
+from edgeq.errors import EdgeqError
+from edgeq.io.hf import Checkpoint
+from edgeq.io.safetensors import ShardedWriter
+from edgeq.keys import DATA, Action, Role
+from edgeq.layouts.tinygemm import TinygemmLayout, check_values
+from edgeq.scheme import Scheme
+
+METHOD = "gptq"
+DEFAULT_CALIB = DATA / "calib-prose.txt"  # disjoint from heldout-prose.txt (fidelity's text)
+_IN_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # the driver's execution order in the supported families
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """``--method gptq`` settings: calibration text, windows, act-order, dampening (docs/gptq.md)."""
+
+    calib: str = str(DEFAULT_CALIB)
+    nsamples: int = 128
+    seqlen: int = 512
+    act_order: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+
+    def check(self) -> None:
+        if self.nsamples < 1 or self.seqlen < 2:
+            raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
+        if not 0.0 < self.damp <= 1.0:
+            raise EdgeqError(f"--damp {self.damp}: must be in (0, 1] (a fraction of the mean Hessian diagonal; default 0.01)")
+        if not Path(self.calib).is_file():
+            raise EdgeqError(f"--calib {self.calib}: no such file; give a UTF-8 text file")
+
+
+def gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOptions) -> Plan:
+    """The float plan with method gptq; with act-order every quantised output also carries M.perm."""
+    opts.check()
+    model_type = ckpt.config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EdgeqError(f"{ckpt.root / 'config.json'}: model_type {model_type!r} is not supported by GPTQ calibration "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --method rtn")
+    plan = build_plan(ckpt, scheme, METHOD, recipe)
+    if opts.act_order:
+        entries = tuple(
+            replace(e, perm=True, bytes_out=packed_bytes(e.shape, scheme, e.group(scheme), perm=True))
+            if e.quantized and e.bytes_out else e
+            for e in plan.entries
+        )
+        plan = replace(plan, entries=entries)
+    return replace(plan, options=opts)
+
+
+def calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
+    """Token windows from the --calib text (the model's tokenizer), and their record for the manifest."""
+    opts: GPTQOptions = plan.options
+    path = Path(opts.calib)
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise EdgeqError(f"--calib {path}: cannot read ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise EdgeqError(f"--calib {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    windows = calibration_windows(ckpt.root, text, opts.nsamples, opts.seqlen)
+    record = {"file": path.name, "sha256": hashlib.sha256(raw).hexdigest(), "windows": int(windows.shape[0]),
+              "seqlen": int(windows.shape[1]), "tokens": int(windows.numel()), "nsamples_asked": opts.nsamples}
+    return windows, record
+
+
+def write_order(plan: Plan) -> list[PlanEntry]:
+    """The order tensors are declared (and written) in: the plan's, except for ``gptq``, which writes every copied
+    tensor first and then the quantised ones in the driver's predicted execution order, head last."""
+    if plan.method != METHOD:
+        return list(plan.entries)
+    rest = [e for e in plan.entries if not e.quantized]
+    return rest + sorted((e for e in plan.entries if e.quantized), key=_execution_key)
+
+
+def _execution_key(e: PlanEntry) -> tuple:
+    if e.role == Role.HEAD:
+        return (2, 0, 0, "")
+    m = _LAYER.search(e.module)
+    if m is None:
+        return (0, 0, 0, e.module)  # outside the decoder layers: the driver never yields it, which is an error later
+    tail = e.module[m.end():]
+    return (1, int(m.group(1)), _IN_LAYER.index(tail) if tail in _IN_LAYER else len(_IN_LAYER), tail)
+
+
+class InOrder:
+    """Writes each module's tensors in the writer's declared order; a module that arrives early is held until due.
+
+    ``held_peak`` is the most bytes ever held (0 when the driver's order is the predicted one)."""
+
+    def __init__(self, writer: ShardedWriter, modules: list[str]):
+        self.writer, self.modules, self.i = writer, modules, 0
+        self.pending: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        self.held = self.held_peak = 0
+
+    def put(self, module: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.pending[module] = tensors
+        self.held += sum(t.numel() * t.element_size() for _, t in tensors)
+        while self.i < len(self.modules) and self.modules[self.i] in self.pending:
+            for name, t in self.pending.pop(self.modules[self.i]):
+                self.writer.write(name, t)
+                self.held -= t.numel() * t.element_size()
+            self.i += 1
+        self.held_peak = max(self.held_peak, self.held)
+
+    def missing(self) -> list[str]:
+        return self.modules[self.i:]
+
+
+def pack_result(e: PlanEntry, r, record: TinygemmLayout) -> list[tuple[str, torch.Tensor]]:
+    """A GPTQResult as the tensors this entry declared: packed qweight (row blocks), scales_and_zeros, perm."""
+    n, k = e.shape
+    if tuple(r.q.shape) != (n, k):
+        raise EdgeqError(f"{e.module}: GPTQ produced q {list(r.q.shape)}, the plan expects [{n}, {k}]")
+    if (r.perm is not None) != e.perm:
+        raise EdgeqError(f"{e.module}: GPTQ {'returned' if r.perm is not None else 'did not return'} an input permutation, "
+                         f"the plan {'expects' if e.perm else 'does not expect'} one")
+    check_values(r.q, e.module)
+    out = [(f"{e.module}.qweight", w4a16.pack_rows(r.q, record)), (f"{e.module}.scales_and_zeros", r.scales_and_zeros.contiguous())]
+    if e.perm:
+        out.append((f"{e.module}.perm", r.perm.to(torch.int64).contiguous()))
+    return out
+
+
+class _Layers:
+    """The driver's layer progress, turned into ``layer i/n, ETA ...`` labels."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.t0, self.done, self.total = progress, time.perf_counter(), 0, 1
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        self.done, self.total = done, total
+        self.progress(0, self.label(label))
+
+    def label(self, what: str) -> str:
+        elapsed = time.perf_counter() - self.t0
+        eta = f", ETA {elapsed / self.done * (self.total - self.done):.0f}s" if self.done else ""
+        return f"layer {min(self.done + 1, self.total)}/{self.total}{eta}: {what}"
+
+
+def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: TinygemmLayout, writer: ShardedWriter,
+                progress: Progress, windows: torch.Tensor) -> dict:
+    """Copies first, then every quantised module as the layer-streamed GPTQ driver yields it (the plan's head
+    module is the driver's last result). Returns what :func:`edgeq.convert.stream.stream` returns."""
+    opts: GPTQOptions = plan.options
+    for e in order:
+        if e.quantized:
+            break
+        copy_entry(ckpt, e, writer, progress)
+    quantized = [e for e in order if e.quantized]
+    by_module = {e.module: e for e in quantized}
+    sink = InOrder(writer, [e.module for e in quantized])
+    layers = _Layers(progress)
+    keep = frozenset(e.module for e in plan.entries if e.action == Action.KEEP)
+    results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
+                         block_size=opts.block_size, keep=keep, head_source=plan.head.source,
+                         head_module=plan.head_module, group_sizes=group_sizes(plan), progress=layers)
+    errors, rel_out, damp_used, anon_peak = {}, {}, {}, 0
+    try:
+        for name, r in results:
+            e = by_module.get(name)
+            if e is None or name in errors:
+                raise EdgeqError(f"{name}: GPTQ calibration produced a module the plan does not quantise (or twice); "
+                                 "use --method rtn for this model")
+            sink.put(name, pack_result(e, r, record))
+            errors[name], rel_out[name] = r.relative_error, r.relative_output_error
+            if r.damp != opts.damp:
+                damp_used[name] = r.damp
+            progress(e.bytes_in, layers.label(name))
+            anon_peak = max(anon_peak, rss()[0])
+    finally:
+        results.close()
+    if sink.missing():
+        miss = sink.missing()
+        raise EdgeqError(f"GPTQ calibration did not produce {len(miss)} planned module(s), e.g. {miss[:3]}; "
+                         "they are not Linears of the decoder layers; use --method rtn for this model")
+    details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
+               "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
+    return {"errors": errors, "anon_peak": anon_peak, "details": details}
