@@ -8,6 +8,10 @@ leaves the rest of the file as it is (a card edited by hand keeps its edits; one
 section appended; a checkpoint without a card gets a new one). Every write is atomic: a temporary file in the same
 directory, fsynced, then renamed over README.md.
 
+The facts come from the written config.json and the manifest (:class:`edgeq.io.manifest.Manifest`, the one
+parser); what differs by kernel (the scheme's one-line summary, the machines the bytes run on unchanged) is asked of
+the kernel's layout (:func:`edgeq.layouts.base.get`) and packer (:func:`edgeq.convert.packers.packer`).
+
 Bits per weight count every stored byte of the quantised modules except biases: packed weights, scales, zeros,
 and act-order permutations, over the N*K weights they encode. N*K comes from the scale tensor: one scale per (group
 of G inputs, output row), so N*K = G * scales (``M.scales``, amx_w4a8) or G * numel / 2 (``M.scales_and_zeros``,
@@ -25,10 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from edgeq.convert.packers import packer
 from edgeq.errors import EdgeqError
+from edgeq.io.hub import is_hub_id
+from edgeq.io.manifest import Manifest, read_json
+from edgeq.io.safetensors import DTYPES
+from edgeq.keys import CARD, CONFIG, MANIFEST, Kernel
+from edgeq.layouts.base import get
 
-CARD = "README.md"
-MANIFEST = "edgeq_manifest.json"
 FIDELITY_START = "<!-- edgeq:fidelity:start -->"
 FIDELITY_END = "<!-- edgeq:fidelity:end -->"
 _SECTION = re.compile(re.escape(FIDELITY_START) + ".*?" + re.escape(FIDELITY_END), re.S)
@@ -43,7 +51,7 @@ class CardFacts:
     source: Optional[str]  # a hub id or a local path; None when unknown (a card made after the fact)
     scheme: str
     method: str
-    kernel: str
+    kernel: Kernel
     group_size: int
     bits_per_weight: float
     head: dict
@@ -65,8 +73,6 @@ def source_name(path: Path | str) -> str:
 
 
 def _read(path: Path) -> dict:
-    from edgeq.runtime.qinfo import read_json  # noqa: PLC0415 - the one JSON-object reader
-
     return read_json(path, "; a model card describes an edgeq checkpoint (run `edgeq quantize` first)")
 
 
@@ -80,7 +86,7 @@ def bits_per_weight(manifest: dict, group_size: int) -> float:
             if not t:
                 continue
             numel = math.prod(t["shape"])
-            stored += numel * {"U8": 1, "I8": 1, "BF16": 2, "F32": 4, "I64": 8}.get(t["dtype"], 0)
+            stored += numel * DTYPES.get(t["dtype"], (None, 0))[1]
             if part == ".scales":
                 weights += numel * group_size
             elif part == ".scales_and_zeros":
@@ -90,30 +96,22 @@ def bits_per_weight(manifest: dict, group_size: int) -> float:
 
 def facts(directory: Path | str, source: Optional[str] = None) -> CardFacts:
     directory = Path(directory)
-    config, manifest = _read(directory / "config.json"), _read(directory / MANIFEST)
+    config = _read(directory / CONFIG)
+    manifest = Manifest.from_json(_read(directory / MANIFEST), str(directory / MANIFEST))
     qc = config.get("quantization_config") or {}
     g = int(qc.get("group_size") or 0)
     return CardFacts(
-        source=source, scheme=str(manifest.get("scheme")), method=str(manifest.get("method")),
-        kernel=str(manifest.get("kernel")), group_size=g, bits_per_weight=bits_per_weight(manifest, g),
-        head=dict(manifest.get("head") or {}), kept_bf16=dict(manifest.get("modules_not_converted") or {}),
-        layout=dict(manifest.get("layout") or {}), perm_modules=len(manifest.get("perm_modules") or []),
-        model_type=str(config.get("model_type", "")), created_by=dict(manifest.get("created_by") or {}),
+        source=source, scheme=manifest.scheme, method=manifest.method, kernel=manifest.kernel, group_size=g,
+        bits_per_weight=bits_per_weight(manifest.to_json(), g), head=dict(manifest.head),
+        kept_bf16=dict(manifest.modules_not_converted), layout=dict(manifest.layout),
+        perm_modules=len(manifest.extra.get("perm_modules") or []), model_type=str(config.get("model_type", "")),
+        created_by=dict(manifest.created_by),
     )
 
 
 def runs_on(f: CardFacts) -> str:
     """The machines that run the stored bytes as they are (no repack), from the layout record."""
-    lay = f.layout
-    if f.kernel == "amx_w4a8":
-        return ("any x86-64 CPU, unchanged: the amx_w4a8 layout is fixed by the kernel's source (version "
-                f"{lay.get('version')}, 32-row blocks, K blocks of {lay.get('block_k')}), not measured per machine. "
-                "edgeq's native kernel uses AMX, AVX512-VNNI, AVX-VNNI or AVX2 when present; other CPUs run the "
-                "bit-exact portable path")
-    cap, block = lay.get("cpu_capability"), lay.get("block_n")
-    return (f"x86-64 CPUs where torch {lay.get('torch_version')} packs int4 with {cap} kernels ({block}-row blocks, "
-            f"layout {str(lay.get('layout_hash'))[:12]}). Elsewhere (another ISA or torch) edgeq repacks in memory at "
-            "load with a warning; `edgeq repack` does it once on disk")
+    return packer(f.kernel).runs_on(f.layout)
 
 
 def _kept(f: CardFacts) -> str:
@@ -123,17 +121,13 @@ def _kept(f: CardFacts) -> str:
 
 
 def _head(f: CardFacts) -> str:
-    h = f.head
-    if not h.get("quantized"):
-        return "NOT quantised (edgeq refuses to load this checkpoint)"
+    h = f.head  # quantised: Manifest.from_json refuses any other head
     how = f"from `{h.get('source')}`" + (", untied from the embedding" if h.get("untied") else "")
     return f"quantised ({how})" + (f", method {h['method']}" if h.get("method") else "")
 
 
 def _front_matter(f: CardFacts) -> str:
     lines = ["---", "library_name: edgeq", "pipeline_tag: text-generation"]
-    from edgeq.io.hub import is_hub_id  # noqa: PLC0415
-
     if f.source and is_hub_id(f.source):
         lines += [f"base_model: {f.source}", "base_model_relation: quantized"]
     lines += ["tags:", "- edgeq", "- 4-bit", "- cpu", f"- {f.scheme}", f"- {f.kernel}", "---"]
@@ -165,9 +159,10 @@ def fidelity_section(fidelity: Optional[dict]) -> str:
 
 
 def render(f: CardFacts, fidelity: Optional[dict] = None) -> str:
+    """The whole card. Long because most of it is the card's text, one template (the facts table, the fidelity
+    section and the three ways to load it), kept in one piece so it reads as the card does."""
     made_from = f"`{f.source}`" if f.source else "not recorded"
-    scheme_text = ("4-bit weights, int8 per-token activations (W4A8)" if f.kernel == "amx_w4a8"
-                   else "4-bit weights, bf16 activations (W4A16)")
+    scheme_text = get(f.kernel).summary
     rows = [
         ("made from", made_from + (f" ({f.model_type})" if f.model_type else "")),
         ("scheme", f"`{f.scheme}`: {scheme_text}, groups of {f.group_size} inputs with a scale and zero point each"),

@@ -9,7 +9,6 @@ from edgeq.convert.packers import packer
 from edgeq.errors import EdgeqError
 from edgeq.io.manifest import read_manifest
 from edgeq.io.safetensors import read_header, sha256_file
-from edgeq.keys import HEAD_MODULE
 
 
 def verify_written(directory: Path, head: str | None = None) -> None:
@@ -25,7 +24,7 @@ def verify_written(directory: Path, head: str | None = None) -> None:
         found.update(tensors)
         if sha256_file(path) != digest:
             raise EdgeqError(f"{path}: sha256 does not match the manifest; the write was corrupted (disk?)")
-    recorded = str(manifest.head.get("name", HEAD_MODULE))
+    recorded = manifest.head_name
     head = head or recorded
     if recorded != head:
         raise EdgeqError(f"{directory}: the manifest records the output head {recorded!r}, the plan quantised {head!r}; refusing it")

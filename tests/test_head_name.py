@@ -1,0 +1,102 @@
+"""The output head is the recipe's (``Recipe.head``), not a hard-coded ``lm_head``: planned, written, recorded in the
+manifest, verified after the write, and loaded under that name.
+
+BioGPT's head is ``output_projection`` (its transformers module and its checkpoint tensor), so a recipe naming it
+must give a checkpoint whose head is ``output_projection``, quantised, that the runtime loads: before the head came
+from the plan, such a recipe passed planning and the written checkpoint was refused ("no quantised lm_head")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeq.convert.pipeline import convert, prepare
+from edgeq.convert.verify import verify_written
+from edgeq.errors import EdgeqError
+from edgeq.io.hf import open_checkpoint
+from edgeq.keys import Role
+
+HEAD = "output_projection"
+RECIPE = f"""name = "biogpt-test"
+model_types = ["biogpt"]
+scheme = "w4a16-g32"
+head = "{HEAD}.weight"
+embeddings = ["biogpt.embed_tokens.weight", "biogpt.embed_positions.weight"]
+"""
+
+
+def _biogpt(path: Path, tied: bool) -> torch.nn.Module:
+    """A tiny random BioGPT (hidden 128, 2 layers, vocab 256) saved in ``path``; returned for reference logits."""
+    import transformers as tf
+
+    cfg = tf.BioGptConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          vocab_size=256, max_position_embeddings=256, tie_word_embeddings=tied)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 0
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def test_a_recipe_naming_another_head(tmp_path):
+    src, out, recipe = tmp_path / "src", tmp_path / "out", tmp_path / "biogpt.toml"
+    model = _biogpt(src, tied=False)
+    recipe.write_text(RECIPE)
+    _, plan, _ = prepare(src, None, None, str(recipe))
+    assert plan.head_module == HEAD and plan.head.source == f"{HEAD}.weight"
+    report = convert(src, out, recipe=str(recipe))
+    man = json.loads((out / "edgeq_manifest.json").read_text())
+    assert man["head"] == {"name": HEAD, "quantized": True, "source": f"{HEAD}.weight", "untied": False}
+    assert HEAD in man["quantized_modules"] and report.head_source == plan.head.source
+    names = set(open_checkpoint(out).tensors)
+    assert {f"{HEAD}.qweight", f"{HEAD}.scales_and_zeros"} <= names and not any(n.startswith("lm_head") for n in names)
+    verify_written(out)  # the head name from the manifest
+    verify_written(out, HEAD)  # and from the plan
+    with pytest.raises(EdgeqError, match=r"records the output head 'output_projection', the plan quantised 'lm_head'"):
+        verify_written(out, "lm_head")
+
+    from edgeq.runtime import load
+
+    lm = load(out, max_model_len=64, kv_cache_bytes=4 << 20)
+    assert getattr(lm.model.get_output_embeddings(), "edgeq_quantized", False)  # the quantised head is the model's
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        got, want = lm.model(ids).logits.float(), model(ids).logits.float()
+    assert float((got - want).abs().max()) <= 0.15 * float(want.abs().max())  # 4-bit rounding, not another head
+
+
+def test_the_head_is_checked_under_the_recipes_name(tmp_path):
+    """The plan-time assertion names the recipe's head: a plan whose head is kept is refused."""
+    src, recipe = tmp_path / "src", tmp_path / "biogpt.toml"
+    _biogpt(src, tied=False)
+    recipe.write_text(RECIPE)
+    _, plan, _ = prepare(src, None, None, str(recipe))
+    entries = tuple(replace(e, action="keep") if e.role == Role.HEAD else e for e in plan.entries)
+    with pytest.raises(EdgeqError, match=r"plan does not quantise the output head \(\[\('output_projection.weight', 'keep'\)\]\)"):
+        replace(plan, entries=entries).check()
+
+
+def test_a_tied_head_is_written_under_the_recipes_name_and_the_loader_names_a_missing_module(tmp_path):
+    """A tied Llama with a recipe calling its head ``output``: the head is quantised from the embedding and written
+    as ``output.*``; the runtime loads a head only where the architecture has that module (a Llama has
+    ``lm_head``), and says so."""
+    import transformers as tf
+
+    src, out, recipe = tmp_path / "src", tmp_path / "out", tmp_path / "llama-output.toml"
+    cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(src)
+    recipe.write_text('name = "llama-output"\nmodel_types = ["llama"]\nhead = "output.weight"\n')
+    convert(src, out, recipe=str(recipe))
+    man = json.loads((out / "edgeq_manifest.json").read_text())
+    assert man["head"] == {"name": "output", "quantized": True, "source": "model.embed_tokens.weight", "untied": True}
+    assert {"output.qweight", "output.scales_and_zeros"} <= set(open_checkpoint(out).tensors)
+    from edgeq.runtime import load
+
+    with pytest.raises(EdgeqError, match="manifest lists quantised module output but the model built from config.json has no such module"):
+        load(out, max_model_len=64, kv_cache_bytes=4 << 20)
