@@ -34,7 +34,7 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hub import is_hub_id
 from edgeq.io.manifest import Manifest, read_json
 from edgeq.io.safetensors import DTYPES
-from edgeq.keys import CARD, CONFIG, MANIFEST, Kernel
+from edgeq.keys import CARD, CONFIG, MANIFEST, VERSION, Kernel
 from edgeq.layouts.base import get
 
 FIDELITY_START = "<!-- edgeq:fidelity:start -->"
@@ -256,10 +256,8 @@ def fidelity_record(report: Any, *, reference: str, text: str) -> dict:
     d = report.to_dict() if hasattr(report, "to_dict") else dict(report)
     keys = ("kld_mean", "kld_mean_err", "kld_p99", "kld_max", "top1_agreement", "top5_overlap", "ppl_ratio",
             "tokens_scored", "windows", "ctx", "score")
-    import edgeq  # noqa: PLC0415
-
     return {**{k: d.get(k) for k in keys}, "reference": reference, "text": text,
-            "date": datetime.date.today().isoformat(), "edgeq": edgeq.__version__}
+            "date": datetime.date.today().isoformat(), "edgeq": VERSION}
 
 
 def save_fidelity(directory: Path | str, fidelity: dict) -> Path:

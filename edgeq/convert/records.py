@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-import edgeq
 from edgeq.convert import card
 from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.ingest_stream import describe as describe_ingest
@@ -22,7 +21,7 @@ from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry, group_sizes
 from edgeq.io.hf import TOKENIZER_FILES, Checkpoint
 from edgeq.io.manifest import FORMAT_VERSION, Manifest
-from edgeq.keys import CONFIG, QUANT_METHOD, Action, Kernel, Role
+from edgeq.keys import CONFIG, QUANT_METHOD, VERSION, Action, Kernel, Role
 from edgeq.quantize.rtn import METHODS
 
 AUX_FILES = (
@@ -51,7 +50,7 @@ def manifest(plan: Plan, layout, digests: dict, order: list[PlanEntry] | None = 
         modules_not_converted={e.module: e.reason for e in plan.entries if e.action == Action.KEEP},
         shards=digests,
         tensors=_tensor_records(plan, order or plan.entries),
-        created_by={"edgeq": edgeq.__version__, "torch": torch.__version__, "recipe": plan.recipe},
+        created_by={"edgeq": VERSION, "torch": torch.__version__, "recipe": plan.recipe},
         group_sizes=group_sizes(plan),
         extra=extra,  # the method's records as extra top-level keys (readers ignore keys they do not know)
     )

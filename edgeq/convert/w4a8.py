@@ -43,10 +43,6 @@ ROW_BLOCK_ELEMENTS = 4 << 20  # weights per row block, as the W4A16 pipeline: a 
 SUFFIXES = (".qweight", ".scales", ".zeros")
 
 
-def is_w4a8(scheme: Scheme) -> bool:
-    return scheme.kernel == KERNEL
-
-
 def check_options(scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
     """What the W4A8 pipeline cannot do, refused before anything is read."""
     if gptq_input:
@@ -55,10 +51,6 @@ def check_options(scheme: Scheme, method: str, *, gptq_input: bool = False) -> N
     if method not in METHODS:
         raise EdgeqError(f"scheme {scheme}: method {method!r} is not available for W4A8 (valid: {', '.join(METHODS)}); "
                          "GPTQ calibration writes w4a16 only")
-
-
-def block_k(scheme: Scheme) -> int:
-    return layout.block_k(scheme.group_size)
 
 
 def out_tensors(module: str, n: int, k: int, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
