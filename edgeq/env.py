@@ -31,9 +31,30 @@ PREFILL_THRESHOLD = "EDGEQ_PREFILL_THRESHOLD"
 BENCH_LLAMA_REPACK = "EDGEQ_BENCH_LLAMA_REPACK"
 
 
+def raw(name: str, default: str = "") -> str:
+    """``$name`` stripped, or ``default`` when it is unset or blank: the one place an ``EDGEQ_*`` value is read."""
+    return (os.environ.get(name) or "").strip() or default
+
+
+def flag(name: str) -> bool:
+    """True when ``$name`` is ``1``, ``true``, ``yes`` or ``on`` (any case); unset or anything else is False."""
+    return raw(name).lower() in ("1", "true", "yes", "on")
+
+
+def positive_int(name: str, hint: str = "") -> int | None:
+    """``$name`` as an integer >= 1, None when unset; an :class:`EdgeqError` naming the variable otherwise, e.g.
+    ``EDGEQ_PREFILL_THRESHOLD=0`` -> "$EDGEQ_PREFILL_THRESHOLD='0': expected an integer >= 1"."""
+    value = raw(name)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise EdgeqError(f"${name}={value!r}: expected an integer >= 1" + (f" ({hint})" if hint else ""))
+    return int(value)
+
+
 def cache_dir() -> Path:
     """``$EDGEQ_CACHE_DIR``, or ``~/.cache/edgeq`` when it is unset or empty (not created here)."""
-    return Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "edgeq")
+    return Path(raw(CACHE_DIR) or Path.home() / ".cache" / "edgeq")
 
 
 def choice(arg: str | None, name: str, env_var: str, choices: tuple[str, ...]) -> tuple[str, str]:
@@ -43,7 +64,7 @@ def choice(arg: str | None, name: str, env_var: str, choices: tuple[str, ...]) -
     "$EDGEQ_DECODE_LOOP='fast': expected one of auto, lean"."""
     source = name
     if arg is None:
-        arg, source = os.environ.get(env_var) or "auto", f"${env_var}"
+        arg, source = raw(env_var, "auto"), f"${env_var}"
     picked = str(arg).strip().lower()
     if picked not in choices:
         raise EdgeqError(f"{source}={arg!r}: expected one of {', '.join(choices)}")

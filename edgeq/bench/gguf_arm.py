@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from edgeq.bench import measure
 from edgeq.bench.ledger import gguf_ledger
 from edgeq.bench.spec import PassSpec, cpu_clock, cpu_share, memory_record, prompt_ids, timing_record
+from edgeq import env
 from edgeq.keys import CONFIG
 
 
@@ -56,7 +56,7 @@ class LlamaCpp:
         mp = L.llama_model_default_params()
         # EDGEQ_BENCH_LLAMA_REPACK=0: no extra buffer types (llama-bench --no-repack): weights stay in the mapped
         # file instead of being repacked (CPU_REPACK / AMX) into anonymous memory.
-        self.extra_bufts = os.environ.get("EDGEQ_BENCH_LLAMA_REPACK", "1") != "0"
+        self.extra_bufts = env.raw(env.BENCH_LLAMA_REPACK, "1") != "0"
         if hasattr(mp, "use_extra_bufts"):
             mp.use_extra_bufts = self.extra_bufts
         if hasattr(mp, "use_mmap"):

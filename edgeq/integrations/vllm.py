@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
+from edgeq import env
 from edgeq.env import STRICT_LAYOUT
 from edgeq.errors import EdgeqError
 from edgeq.integrations import vllm_slices as cuts
@@ -72,10 +73,6 @@ W4A16, W4A8 = tinygemm.KERNEL, w4a8_layout.KERNEL
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Importing this module registered the config; nothing else to do."""
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _checkpoint_dir(model: str, revision: str | None) -> Path:
@@ -142,7 +139,7 @@ class EdgeqConfig(QuantizationConfig):
         self.head_name = info.head_name
         if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
-            layout_check(info.layout, tinygemm.probe(), strict=_flag(ENV_STRICT))
+            layout_check(info.layout, tinygemm.probe(), strict=env.flag(ENV_STRICT))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):

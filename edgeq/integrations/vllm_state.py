@@ -9,7 +9,6 @@ which runs the runtime's own module for that prefix (edgeq/integrations/vllm.py 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from edgeq import env
 from edgeq.env import PREFILL_THRESHOLD
 from edgeq.errors import EdgeqError
 from edgeq.runtime import crossover, w4a8linear
@@ -68,11 +68,9 @@ def threshold(rt: Runtime) -> int:
     """The W4A16 prefill crossover: ``$EDGEQ_PREFILL_THRESHOLD``, else measured (and cached) on the largest
     non-head layer of this process, as :func:`edgeq.runtime.load` does."""
     if rt.prefill_threshold is None:
-        fixed = os.environ.get(ENV_THRESHOLD)
-        if fixed:
-            if not fixed.isdigit() or int(fixed) < 1:
-                raise EdgeqError(f"${ENV_THRESHOLD}={fixed!r}: expected an integer >= 1 (1 = always dequantise)")
-            rt.prefill_threshold = int(fixed)
+        fixed = env.positive_int(ENV_THRESHOLD, "1 = always dequantise")
+        if fixed is not None:
+            rt.prefill_threshold = fixed
         else:
             body = [s.module for s in STATE.served.values() if isinstance(s.module, Int4Linear) and not s.head]
             layer = max(body or [s.module for s in STATE.served.values()], key=lambda m: m.out_features * m.in_features)

@@ -10,14 +10,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
+from edgeq.env import cache_dir  # noqa: F401 (the route cache lives in edgeq's cache directory; route re-exports it)
 from edgeq.route.records import RouteReport
 
 CACHE_FILE = "route.json"
-
-
-def cache_dir() -> Path:
-    """``$EDGEQ_CACHE_DIR``, else ``~/.cache/edgeq``."""
-    return Path(os.environ.get("EDGEQ_CACHE_DIR") or Path.home() / ".cache" / "edgeq")
 
 
 def cache_key(flags: Iterable[str], torch_version: str, edgeq_version: str, threads: int,

@@ -21,7 +21,6 @@ reloaded state reuses the library already loaded, whatever the cache directory s
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from edgeq import env
 from edgeq.env import CACHE_DIR, cache_dir as _cache_dir
 from edgeq.errors import EdgeqError
 
@@ -161,7 +161,7 @@ def isa_request(var: str, isas: tuple[str, ...], what: str) -> tuple[str, str | 
     """Read ``$var`` (an ISA of ``isas``, ``off`` or ``auto``; unset is auto): (request, why the kernel cannot run here
     or None, whether that reason is the user's error). Read here, not through :func:`edgeq.env.choice`: a bad value
     is recorded for the kernel's calls to raise, with its own message."""
-    forced = (os.environ.get(var) or "auto").strip().lower()
+    forced = env.raw(var, "auto").lower()
     if forced not in isas + ("auto", "off"):
         return forced, f"{var}={forced!r} is not one of {', '.join(isas[::-1])}, off, auto; fix or unset it", True
     if forced == "off":
