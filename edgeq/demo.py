@@ -2,7 +2,7 @@
 
 quantize (into a temporary directory) -> inspect (headers) -> fidelity (vs the bf16 original, bundled held-out
 text) -> a short greedy generation -> one summary. Every figure comes from the same functions the individual
-commands run.
+commands run; the summary is printed by edgeq/cli/demo.py.
 
 Each step is announced through ``progress`` as it starts (and fidelity window by window), so a slow machine is never
 silent. The speeds are single-shot: one timed generation after one untimed warm-up generation of the same length
@@ -59,9 +59,9 @@ def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path |
              progress: Callable[[str], None] | None = None) -> DemoReport:
     """The whole pipeline on the bundled model; ``progress(line)`` hears each step as it starts."""
     from edgeq.convert.pipeline import convert
-    from edgeq.fidelity.core import run_fidelity
+    from edgeq.fidelity.checkpoints import run_fidelity
     from edgeq.inspect.report import inspect_checkpoint
-    from edgeq.runtime import load
+    from edgeq.runtime.loader import load
     from edgeq.runtime.generation import SamplingParams, generate
     from edgeq.scheme import Scheme
 
@@ -95,21 +95,3 @@ def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path |
             decode_tokens_per_s=gen.decode_tokens_per_s, prefill_tokens_per_s=gen.prefill_tokens_per_s,
             kept=str(out) if keep else None, prompt_tokens=gen.prompt_tokens,
         )
-
-
-def render(r: DemoReport, console) -> None:
-    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-    console.print(f"[bold]edgeq demo[/bold]: bundled tiny-prose model (trained Llama, 4 layers, tied head) -> {r.scheme} ({r.method})")
-    console.print(f"  quantize  {mib(r.bytes_in)} -> {mib(r.bytes_out)} ({r.bytes_in / r.bytes_out:.2f}x) in {r.convert_seconds:.1f} s (one run); "
-                  f"head quantised: {r.head_quantized}; {r.effective_bits:.2f} bits/weight")
-    console.print(f"  inspect   layout matches this machine: {r.layout_matches}; projected serving memory "
-                  f"{mib(r.projected_total_bytes or 0)}")
-    err = f" +- {r.kld_mean_err:.5f}" if r.kld_mean_err is not None else ""
-    console.print(f"  fidelity  mean KLD {r.kld_mean:.5f}{err}; same top-1 {r.top1_agreement * 100:.1f}%; "
-                  f"PPL {r.ppl_ref:.3f} -> {r.ppl_quant:.3f} over {r.tokens_scored} held-out tokens")
-    console.print(f"  generate  {r.prompt!r} -> {r.completion!r}")
-    console.print(f"            decode path {r.decode_path}: {r.decode_tokens_per_s:.1f} tok/s, prefill of the "
-                  f"{r.prompt_tokens}-token prompt {r.prefill_tokens_per_s:.1f} tok/s")
-    console.print(f"            ({r.speed_basis})", markup=False, highlight=False)
-    if r.kept:
-        console.print(f"  checkpoint kept in {r.kept}")

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
-from typer.testing import CliRunner
 
 from edgeq.bench import measure, process
 from edgeq.bench import run as bench
 from edgeq.bench.edgeq_arm import check_paths
 from edgeq.bench.records import Arm, BenchConfig, PassResult, Stat
+from edgeq.bench.render import render, to_json
 from edgeq.bench.schedule import run_bench, schedule
 from edgeq.bench.spec import PassSpec, prompt_ids
 from edgeq.bench.summary import summarize
 from edgeq.bench.worker import run_pass
+from edgeq.cli.main import main
 
 FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
 TINY_LINEARS = 4 * 7 + 1  # tiny-prose: 4 layers x (q, k, v, o, gate, up, down) + the head
@@ -109,11 +109,11 @@ def test_failing_pass_suppresses_comparison(quantized, tmp_path):
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    bench.render(report, console, console)
+    render(report, console, console)
     text = console.export_text()
     assert "FAILED: arm B pass 2: RuntimeError: KV cache full" in text and "no comparison" in text
     assert "A vs B" not in text and "decode tok/s" not in text
-    as_json = json.loads(bench.to_json(report))
+    as_json = json.loads(to_json(report))
     assert as_json["ok"] is False and as_json["comparisons"] is None and as_json["arms"] == []
 
 
@@ -180,7 +180,7 @@ def test_starved_passes_flagged(quantized, tmp_path):
     assert any("decode got only 45%-97%" in f and "OMP_WAIT_POLICY=PASSIVE" in f for f in report.flags)
 
 
-def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypatch):
+def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypatch, capsys):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     seen = {}
@@ -191,16 +191,18 @@ def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypa
 
     monkeypatch.setattr(bench, "llama_cpp_available", lambda: False)
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
-    result = CliRunner().invoke(_app(), [str(quantized), "--vs-gguf", str(gguf), "--json"])
-    assert result.exit_code == 0, result.output
+    code, out, err = _edgeq(capsys, "bench", quantized, "--vs-gguf", gguf, "--json")
+    assert code == 0, out + err
     assert [a.label for a in seen["arms"]] == ["A"]
-    assert "llama-cpp-python is not installed" in result.output
+    assert "llama-cpp-python is not installed" in err
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command()(bench.bench_command)
-    return app
+def _edgeq(capsys, *args) -> tuple[int, str, str]:
+    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
 
 
 # ---------------------------------------------------------------------------------------- worker, in process
@@ -269,15 +271,16 @@ def test_prompt_ids_are_the_same_for_every_arm():
 # ------------------------------------------------------------------------------------------- real workers
 
 
-def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path):
+def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(quantized, broken)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # header OK, no tensors
-    result = CliRunner().invoke(_app(), [str(broken), "--vs", str(quantized), "--prompt-len", "8", "--gen-len", "2",
-                                         "--threads", "1", "--kv-cache-bytes", "1MiB"])
-    assert result.exit_code == 1, result.output
-    assert "FAILED: arm A pass 1" in result.output and "no comparison" in result.output
-    assert "A vs B" not in result.output and "decode tok/s" not in result.output
+    code, out, err = _edgeq(capsys, "bench", broken, "--vs", quantized, "--prompt-len", "8", "--gen-len", "2",
+                            "--threads", "1", "--kv-cache-bytes", "1MiB")
+    output = out + err
+    assert code == 1, output
+    assert "FAILED: arm A pass 1" in output and "no comparison" in output
+    assert "A vs B" not in output and "decode tok/s" not in output
 
 
 def test_ledger_sums_to_measured_total(quantized, tmp_path):

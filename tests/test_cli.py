@@ -1,6 +1,6 @@
 """The CLI keeps its promises: every default in --help, --version, --json on generate/serve/repack, one error format.
 
-Everything runs through the real entry point (``edgeq.cli.main.main``, or ``python -m edgeq.cli.main`` for the server).
+Everything runs through the real entry point (``edgeq.cli.main.main``, or ``python -m edgeq.cli`` for the server).
 """
 
 import json
@@ -36,8 +36,7 @@ def flat(text: str) -> str:
 
 
 def commands():
-    cli._register_edges()
-    return typer.main.get_command(cli.app).commands
+    return typer.main.get_command(cli.app).commands  # every command is registered when edgeq.cli.main is imported
 
 
 @pytest.mark.parametrize("command, expected", [
@@ -81,6 +80,36 @@ def test_help_names_types_and_arguments_as_click_does(capsys):
     assert "-o, --output PATH" in out
 
 
+def test_every_command_is_registered_at_import_in_help_order():
+    assert list(commands()) == ["quantize", "recipes", "generate", "serve", "repack", "demo", "native", "inspect",
+                                "bench", "route", "fidelity"]
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`edgeq --help` stays fast: the command modules import the heavy packages inside the commands' bodies."""
+    code = ("import sys; from edgeq.cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "0 False False"
+    assert "Usage: edgeq [OPTIONS] COMMAND [ARGS]..." in r.stdout
+
+
+def test_python_m_edgeq_cli_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "edgeq.cli", "recipes", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stderr == ""
+    assert {"llama"} <= {x["name"] for x in json.loads(r.stdout)}
+
+
+def test_fidelity_help_default_is_the_reference_files_k():
+    """cli/fidelity.py writes DEFAULT_REF_TOPK itself (the fidelity package imports torch): the two agree."""
+    from edgeq.cli import fidelity as command
+    from edgeq.fidelity.reffile import DEFAULT_REF_TOPK
+
+    assert command.DEFAULT_REF_TOPK == DEFAULT_REF_TOPK
+
+
 def test_version_is_one_line_with_versions_and_kernel_state(capsys):
     from importlib.metadata import version
 
@@ -122,7 +151,7 @@ def test_generate_streams_text_and_bf16_names_no_crossover(capsys):
 
 def test_serve_json_startup_line(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli.main", "serve", str(FIXTURE), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "serve", str(FIXTURE), "--host", "127.0.0.1",
                              "--port", "0", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:

@@ -14,12 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import typer
-from typer.testing import CliRunner
 
+from edgeq.cli.main import main
 from edgeq.fidelity import checkpoints, metrics
 from edgeq.fidelity.checkpoints import check_order, run_fidelity
-from edgeq.fidelity.command import fidelity_command
 from edgeq.fidelity.metrics import position_stats, top_n_mask
 from edgeq.fidelity.reffile import load_reference_file
 from edgeq.fidelity.report import FidelityReport, render
@@ -30,8 +28,7 @@ from edgeq.fidelity.thresholds import broken_bounds
 from edgeq.fidelity.tokens import tokenizer_sha256
 from edgeq.fidelity.topk import position_stats_topk, ref_rows, worst_tail_kl
 from edgeq.keys import DATA
-from edgeq.errors import EdgeqError, ThresholdError
-from test_quantize_errors import run_cli
+from edgeq.errors import EdgeqError
 
 V = 48  # fake vocabulary: "<bos>", "<eos>", then words w2..w47
 
@@ -655,9 +652,21 @@ def test_render_is_a_compact_table():
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
+def _edgeq(capsys, *args) -> tuple[int, str, str]:
+    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]  # after the progress bar's leftovers on stderr
+
+
 @pytest.fixture
-def cli(monkeypatch, tmp_path):
-    """A Typer app with fidelity_command, and checkpoints "ref"/"light"/"heavy"/"same" resolved by a fake loader."""
+def cli(monkeypatch, tmp_path, capsys):
+    """``edgeq fidelity ARGS --text T --ctx 32``, checkpoints "ref"/"light"/"heavy"/"same" resolved by a fake loader."""
     model = TinyLM()
     models = {"ref": model, "same": copy.deepcopy(model), "light": quantised_copy(model, 0.02),
               "heavy": quantised_copy(model, 0.5)}
@@ -667,43 +676,45 @@ def cli(monkeypatch, tmp_path):
         (tmp_path / name).mkdir()
     text = tmp_path / "t.txt"
     text.write_text(make_text(500))
-    app = typer.Typer()
-    app.command()(fidelity_command)
-    app.command("noop")(lambda: None)  # two commands so that the app takes the command name, like the real CLI
-    runner = CliRunner()
-    return lambda *args: runner.invoke(app, ["fidelity-command", *args, "--text", str(text), "--ctx", "32"])
+
+    def run(*args) -> SimpleNamespace:
+        code, out, err = _edgeq(capsys, "fidelity", *args, "--text", text, "--ctx", "32")
+        return SimpleNamespace(code=code, out=out, err=err)
+    return run
 
 
 def test_cli_json_and_thresholds(cli):
     ok = cli("ref", "light", "--json", "--max-kld", "1", "--min-top1", "0.5", "--max-ppl-ratio", "2")
-    assert ok.exit_code == 0, ok.output
-    d = json.loads(ok.stdout)
+    assert ok.code == 0, ok.err
+    d = json.loads(ok.out)
     assert d["schema"] == "edgeq.fidelity/1" and d["tokens_scored"] == 15 * d["windows"]
     bad = cli("ref", "heavy", "--json", "--max-kld", "1e-6", "--min-top1", "0.5")
-    assert isinstance(bad.exception, ThresholdError)
-    assert str(bad.exception).startswith("mean KLD ") and str(bad.exception).endswith("> --max-kld 1e-06")
+    assert bad.code == 1  # a ThresholdError: "threshold broken: <the broken bounds>"
+    broken = _last_line(bad.err)
+    assert broken.startswith("threshold broken: mean KLD ") and broken.endswith("> --max-kld 1e-06")
     same = cli("ref", "same", "--max-kld", "0", "--min-top1", "1", "--max-ppl-ratio", "1")
-    assert same.exit_code == 0 and "mean KLD" in same.stdout
+    assert same.code == 0 and "mean KLD" in same.out
 
 
 def test_cli_ref_file_flow(cli, tmp_path):
     ref = tmp_path / "ref.safetensors"
     saved = cli("ref", "--save-ref", str(ref))
-    assert saved.exit_code == 0, saved.output
-    assert "positions, PPL(ref)" in saved.stdout and ref.is_file()
+    assert saved.code == 0, saved.err
+    assert "positions, PPL(ref)" in saved.out and ref.is_file()
     out = cli("light", "--ref", str(ref), "--json")
-    assert out.exit_code == 0, out.output
-    assert json.loads(out.stdout)["ref_topk"] == 32
-    both = cli("ref", "light", "--ref", str(ref))
-    assert isinstance(both.exception, EdgeqError) and "--ref FILE replaces the REF checkpoint" in str(both.exception)
+    assert out.code == 0, out.err
+    assert json.loads(out.out)["ref_topk"] == 32
+    both = cli("ref", "light", "--ref", str(ref))  # an EdgeqError: exit 2, "error: <message>"
+    assert both.code == 2 and _last_line(both.err).startswith("error: ")
+    assert "--ref FILE replaces the REF checkpoint" in _last_line(both.err)
     lone = cli("light")
-    assert isinstance(lone.exception, EdgeqError) and "one checkpoint given" in str(lone.exception)
+    assert lone.code == 2 and _last_line(lone.err).startswith("error: ") and "one checkpoint given" in lone.err
 
 
 def test_cli_per_layer_table(cli):
     out = cli("ref", "heavy", "--per-layer", "--top", "2")
-    assert out.exit_code == 0, out.output
-    assert "worst 2 of 3 quantised linears" in out.stdout
+    assert out.code == 0, out.err
+    assert "worst 2 of 3 quantised linears" in out.out
 
 
 def test_cli_refuses_swapped_reference_and_quantised(cli, tmp_path, capsys):
@@ -711,15 +722,15 @@ def test_cli_refuses_swapped_reference_and_quantised(cli, tmp_path, capsys):
     Scored as given (--allow-swapped), the PPL ratio is the reciprocal of the true one: a gate would be fooled."""
     (tmp_path / "heavy" / "edgeq_manifest.json").write_text("{}")  # only the file's presence marks an edgeq checkpoint
     common = ["--text", str(tmp_path / "t.txt"), "--ctx", "32", "--json"]
-    code, out, err = run_cli(["fidelity", "heavy", "ref", "--max-ppl-ratio", "1", *common], capsys)
+    code, out, err = _edgeq(capsys, "fidelity", "heavy", "ref", "--max-ppl-ratio", "1", *common)
     assert code == 2 and out == "", (out, err)
     assert err.startswith("error: fidelity: REF heavy is an edgeq checkpoint and QUANT ref is not; the order is REF "
                           "QUANT") and "run edgeq fidelity ref heavy, or pass --allow-swapped" in err
     assert err.count("\n") == 1
-    code, out, err = run_cli(["fidelity", "ref", "heavy", *common], capsys)
+    code, out, err = _edgeq(capsys, "fidelity", "ref", "heavy", *common)
     assert code == 0, err
     right = json.loads(out)["ppl_ratio"]
-    code, out, err = run_cli(["fidelity", "heavy", "ref", "--allow-swapped", *common], capsys)
+    code, out, err = _edgeq(capsys, "fidelity", "heavy", "ref", "--allow-swapped", *common)
     assert code == 0, err
     assert json.loads(out)["ppl_ratio"] == pytest.approx(1 / right, rel=1e-9) and right != pytest.approx(1)
 

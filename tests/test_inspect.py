@@ -22,11 +22,11 @@ from edgeq.convert.plan import build_plan
 from edgeq.io.hf import open_checkpoint
 from edgeq.convert.recipe import find_recipe
 from edgeq.io.safetensors import read_header
-from edgeq.errors import EdgeqError, ThresholdError
+from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.memory import SCRATCH_BYTES_PER_ELEM, SCRATCH_TARGET_ELEMS, KVGeometry, kv_geometry, project, rows_per_block, scratch
 from edgeq.memory import Tensor as MemTensor
-from edgeq.inspect.report import inspect_checkpoint, inspect_command, render
+from edgeq.inspect.report import inspect_checkpoint, render
 from edgeq.scheme import Scheme
 
 TINY_PROSE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
@@ -225,15 +225,15 @@ def test_verify_clean(edgeq_ckpt):
     assert r.verify.roundtrip[0] == "lm_head" and len(r.verify.roundtrip) == 4
 
 
-def test_verify_catches_a_flipped_byte(edgeq_ckpt, tmp_path):
+def test_verify_catches_a_flipped_byte(edgeq_ckpt, tmp_path, capsys):
     ckpt = _copy(edgeq_ckpt, tmp_path)
     assert inspect_checkpoint(ckpt).problems == ()  # headers cannot see it
     _poke(ckpt, "model.layers.1.mlp.up_proj.qweight", 1000, bytes([0x5A ^ 0xFF]))
     r = inspect_checkpoint(ckpt, verify=True)
     assert r.verify.shards == {"model.safetensors": "sha256 mismatch"}
     assert len(r.problems) == 1 and "does not match the manifest" in r.problems[0]
-    with pytest.raises(ThresholdError, match="1 problem"):
-        _run_command(ckpt, verify=True, strict=True)
+    code, _, err = _main(capsys, ckpt, "--verify", "--strict")  # a ThresholdError: exit 1
+    assert code == 1 and err.splitlines()[-1].startswith("threshold broken: --strict: 1 problem(s) found in ")
 
 
 def test_verify_catches_bad_scales(edgeq_ckpt, tmp_path):
@@ -598,21 +598,16 @@ GOLDEN = {
 }
 
 
-def _run_command(path, **kw):
-    args = dict(tensors=False, as_json=False, max_model_len=None, kv_cache_bytes="256MiB", verify=False, strict=False,
-                strict_layout=False, recipe=None)
-    args.update(kw)
-    return inspect_command(path, **args)
-
-
-def _json(path, capsys, **kw) -> dict:
-    _run_command(path, as_json=True, **kw)
-    return json.loads(capsys.readouterr().out)
+def _json(path, capsys, *flags: str) -> dict:
+    """``edgeq inspect PATH --json FLAGS``'s document."""
+    code, out, err = _main(capsys, path, "--json", *flags)
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_json_schema_is_pinned(edgeq_ckpt, tmp_path, capsys):
     ck = _foreign(tmp_path / "gptq", GPTQ_CFG, gptq_module)
-    docs = [_json(edgeq_ckpt, capsys, tensors=True, verify=True), _json(TINY_PROSE, capsys), _json(ck, capsys)]
+    docs = [_json(edgeq_ckpt, capsys, "--tensors", "--verify"), _json(TINY_PROSE, capsys), _json(ck, capsys)]
     assert [d["kind"] for d in docs] == ["edgeq", "hf", "foreign"]
     seen: dict[str, set[str]] = {}
     for d in docs:
@@ -643,41 +638,31 @@ def test_human_output(edgeq_ckpt, tmp_path):
     assert "\x1b[31mproblem: output head lm_head.weight left in F16" in ansi  # problems in red
 
 
-def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run the real ``edgeq`` entry point (edgeq.cli.main.main, its error handling included) with inspect registered as
-    the lead will register it, on a fresh app. Returns (exit code, stdout, stderr)."""
-    import typer
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """``edgeq inspect ARGS`` through the real entry point (edgeq.cli.main.main, its error handling included):
+    (exit code, stdout, stderr)."""
+    from edgeq.cli.main import main
 
-    from edgeq.cli import main as cli
-
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command("inspect")(inspect_command)
-    app.command("noop", hidden=True)(lambda: None)  # two commands: typer then expects the command name
-    monkeypatch.setattr(cli, "app", app)
-    monkeypatch.setattr(sys, "argv", ["edgeq", "inspect", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", *map(str, args)])
     captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return e.value.code, captured.out, captured.err
 
 
-def test_bad_input_is_one_line_exit_2(edgeq_ckpt, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_exit_2(edgeq_ckpt, tmp_path, capsys):
     ck = _copy(edgeq_ckpt, tmp_path)
-    code, out, _ = _main(monkeypatch, capsys, str(ck), "--max-model-len", "64")
+    code, out, _ = _main(capsys, str(ck), "--max-model-len", "64")
     assert code == 0 and "no problems found" in out and "64 tokens" in out
     shard = ck / "model.safetensors"
     os.truncate(shard, shard.stat().st_size - 10)  # the last tensor's data ends past the file
-    code, out, err = _main(monkeypatch, capsys, str(ck))
+    code, out, err = _main(capsys, str(ck))
     assert code == 2 and out == "" and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "truncated file" in err
     os.truncate(shard, 20)  # header cut short
-    code, out, err = _main(monkeypatch, capsys, str(ck), "--json")
+    code, out, err = _main(capsys, str(ck), "--json")
     assert code == 2 and out == "" and "corrupt safetensors header" in err
     # exit 1 under --strict when a problem is found
-    code, out, err = _main(monkeypatch, capsys, str(_foreign(tmp_path / "g", GPTQ_CFG, gptq_module)), "--strict")
+    code, out, err = _main(capsys, str(_foreign(tmp_path / "g", GPTQ_CFG, gptq_module)), "--strict")
     assert code == 1 and "problem: output head" in err and "--strict: " in err
 
 

@@ -123,20 +123,24 @@ def test_route_is_cached_per_machine_and_refreshable(monkeypatch, tmp_path):
     assert newer.source == "measured" and calls["measure"] == 4 and "w4a8_kernel" in newer.key
 
 
-def test_route_command_prints_the_choice_and_json(monkeypatch, tmp_path):
-    import typer
-    from typer.testing import CliRunner
-
+def test_route_command_prints_the_choice_and_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path))
     _fake_measurements(monkeypatch)
-    app = typer.Typer()
-    app.command("route")(R.route_command)
-    app.command("noop")(lambda: None)  # two commands: `route` stays a subcommand
-    res = CliRunner().invoke(app, ["route", "--json"])
-    assert res.exit_code == 0, res.output
-    data = json.loads(res.output)
+    code, out, err = _edgeq(capsys, "route", "--json")
+    assert code == 0, err
+    data = json.loads(out)
     assert data["choice"] == "w4a16-g128" and data["schemes"][1]["decode_path"] == "w4a8_portable"
-    res = CliRunner().invoke(app, ["route"])
-    assert res.exit_code == 0 and "fastest here: w4a16-g128" in res.output and "w4a8_portable" in res.output
-    res = CliRunner().invoke(app, ["route", "--refresh", "--passes", "2"])
-    assert res.exit_code != 0 and "need at least 3" in str(res.exception)
+    code, out, err = _edgeq(capsys, "route")
+    assert code == 0 and "fastest here: w4a16-g128" in out and "w4a8_portable" in out
+    code, out, err = _edgeq(capsys, "route", "--refresh", "--passes", "2")
+    assert code == 2 and out == "" and err.startswith("error: --passes 2: need at least 3")
+
+
+def _edgeq(capsys, *args) -> tuple[int, str, str]:
+    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
+    from edgeq.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err

@@ -21,9 +21,10 @@ Where each part lives (all in :mod:`edgeq.bench`): ``records`` (arms, results, t
 interleaved passes), ``process`` (starting and waiting for a worker), ``worker`` with ``spec``, ``edgeq_arm``,
 ``gguf_arm`` and ``ledger`` (one pass, in the child), ``measure`` (the kernel's memory counters), ``summary`` and
 ``projection`` (medians, comparisons, inspect's projection), ``judge`` (the flags), ``machine``, ``conversion``
-(``--convert``), ``render`` (tables and JSON). This module is the command.
+(``--convert``), ``render`` (tables and JSON). This module checks a command line's arms and runs them
+(edgeq/cli/bench.py is the command: its options and output).
 
-This module imports no torch at import time: the parent only schedules, judges and prints.
+This module imports no torch at import time: the parent only schedules and judges.
 """
 
 from __future__ import annotations
@@ -32,16 +33,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-import typer
-
 from edgeq.bench.conversion import run_convert
 from edgeq.bench.gguf_arm import default_context, llama_cpp_available
 from edgeq.bench.process import worker_env  # noqa: F401 - alias: tests/test_omp_policy.py imports it from here
-from edgeq.bench.records import Arm, BenchConfig
-from edgeq.bench.render import render, render_convert, to_json
+from edgeq.bench.records import Arm, BenchConfig, BenchReport, ConvertBench
 from edgeq.bench.schedule import run_bench
 from edgeq.errors import EdgeqError
-from edgeq.io.hub import REVISION_HELP, resolve_model, resolve_models
+from edgeq.io.hub import resolve_model, resolve_models
 from edgeq.keys import CONFIG
 
 
@@ -56,39 +54,19 @@ def _parse_env(items: list[str]) -> tuple:
     return tuple(env)
 
 
-def bench_command(
-    checkpoint: Optional[Path] = typer.Argument(None, help="edgeq checkpoint (or bf16 HF checkpoint) to measure: directory or hub id."),
-    vs: Optional[Path] = typer.Option(None, "--vs", help="Second arm: another checkpoint (e.g. the bf16 reference), directory or hub id."),
-    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP + " Applies to every hub id given."),
-    vs_gguf: Optional[Path] = typer.Option(None, "--vs-gguf", help="llama.cpp arm: a .gguf file (needs llama-cpp-python)."),
-    vs_env: list[str] = typer.Option([], "--vs-env", help="KEY=VALUE in the --vs arm's environment, e.g. EDGEQ_NATIVE_ISA=off."),
-    prompt_len: int = typer.Option(512, "--prompt-len", help="Prompt tokens (prefill, pp)."),
-    gen_len: int = typer.Option(128, "--gen-len", help="Generated tokens (decode, tg)."),
-    passes: int = typer.Option(3, "--passes", help="Passes per arm (>= 3), each in a fresh process, arms interleaved."),
-    threads: int = typer.Option(2, "--threads", help="Threads for every arm."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context [default: the runtime's]."),
-    kv_cache_bytes: str = typer.Option("256MiB", "--kv-cache-bytes", help="KV cache budget, e.g. 256MiB."),
-    prefill_threshold: Optional[int] = typer.Option(None, "--prefill-threshold", help="Override the prefill crossover M."),
-    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed request before the timed one."),
-    convert: Optional[str] = typer.Option(None, "--convert", help="Conversion mode: time and peak memory of `edgeq quantize MODEL` (directory or hub id, fetched before timing)."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="Conversion mode: scheme [default: the recipe's]."),
-    method: Optional[str] = typer.Option(None, "--method", help="Conversion mode: method [default: the recipe's]."),
-    timeout: float = typer.Option(3600.0, "--timeout", help="Seconds before a pass is killed (and counts as failed)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (schema: docs/methodology.md)."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No per-pass progress lines on stderr."),
-) -> None:
-    """Measure speed and memory: fresh process per pass, interleaved arms, medians with spread, verified paths."""
-    from edgeq.console import err, out, write
+def measure_conversion(model: str, revision: Optional[str], scheme: Optional[str], method: Optional[str], passes: int,
+                       timeout: float, progress=None) -> ConvertBench:
+    """``edgeq bench --convert MODEL``: time and peak memory of ``edgeq quantize MODEL`` over ``passes`` child
+    processes (a hub id is fetched before timing)."""
+    return run_convert(str(resolve_model(model, revision)), scheme, method, passes, timeout_s=timeout,
+                       progress=progress)
 
-    say = None if as_json or quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]", highlight=False))
-    if convert is not None:
-        if checkpoint is not None or vs is not None or vs_gguf is not None:
-            raise EdgeqError("--convert MODEL measures a conversion; give no CHECKPOINT, --vs or --vs-gguf with it")
-        r = run_convert(str(resolve_model(convert, revision)), scheme, method, passes, timeout_s=timeout, progress=say)
-        write(to_json(r) + "\n") if as_json else render_convert(r, out, err)
-        if r.failures:
-            raise typer.Exit(1)
-        return
+
+def plan_arms(checkpoint, vs, revision: Optional[str], vs_gguf: Optional[Path], vs_env: list[str], *, threads: int,
+              max_model_len: Optional[int], kv_cache_bytes: str,
+              prefill_threshold: Optional[int]) -> tuple[list[Arm], Optional[str]]:
+    """The arms ``edgeq bench CHECKPOINT [--vs B] [--vs-gguf G]`` measures, checked before any pass, and the note
+    saying why the llama.cpp arm was left out (None when it was not asked for or is there)."""
     if checkpoint is None:
         raise EdgeqError("give a CHECKPOINT to measure (or --convert MODEL)")
     checkpoint, vs = resolve_models([checkpoint, vs], revision)  # hub ids: fetched (or found in the cache) before any pass
@@ -105,15 +83,14 @@ def bench_command(
     skipped = None
     if vs_gguf is not None:
         skipped = _add_gguf_arm(arms, vs_gguf, checkpoint, threads, max_model_len, kv_cache_bytes)
-        if skipped:
-            err.print(f"[yellow]{skipped}[/yellow]")
-    cfg = BenchConfig(prompt_len=prompt_len, gen_len=gen_len, passes=passes, warmup=warmup, timeout_s=timeout)
-    report = run_bench(arms, cfg, progress=say)
-    if skipped:
-        report = replace(report, notes=report.notes + (skipped,))
-    write(to_json(report) + "\n") if as_json else render(report, out, err)
-    if not report.ok:
-        raise typer.Exit(1)
+    return arms, skipped
+
+
+def measure_arms(arms: list[Arm], cfg: BenchConfig, note: Optional[str] = None, progress=None) -> BenchReport:
+    """Run the interleaved passes of ``arms`` (:func:`edgeq.bench.schedule.run_bench`, through this module's name:
+    tests replace it); ``note`` (a skipped arm) joins the report's notes."""
+    report = run_bench(arms, cfg, progress=progress)
+    return replace(report, notes=report.notes + (note,)) if note else report
 
 
 def _add_gguf_arm(arms: list[Arm], vs_gguf: Path, checkpoint, threads: int, max_model_len: Optional[int],

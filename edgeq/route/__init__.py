@@ -25,7 +25,8 @@
 
 Where each part lives: :mod:`edgeq.route.device` (1), :mod:`edgeq.route.timing` (2, 3), :mod:`edgeq.route.choice`
 (4, and the workload), :mod:`edgeq.route.cache_file` (5), :mod:`edgeq.route.records` (the report),
-:mod:`edgeq.route.tables` (its tables). This module puts them together (:func:`route`) and is the command.
+:mod:`edgeq.route.tables` (its tables). This module puts them together (:func:`route`); the command is
+edgeq/cli/route.py.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import typer
-
-from edgeq.errors import EdgeqError
 from edgeq.keys import VERSION
 from edgeq.route.cache_file import CACHE_FILE, cache_dir, cache_key, read_cache, write_cache
 from edgeq.route.choice import DECODE_TOKENS, GROUP_SIZE, PREFILL_M, SHAPES, choose
@@ -46,7 +44,7 @@ from edgeq.route.timing import kernels, measure, measure_raw
 
 __all__ = ["CACHE_FILE", "CLASSES", "DECODE_TOKENS", "GROUP_SIZE", "PREFILL_M", "SHAPES", "Kernel", "RouteReport",
            "SchemeCost", "Timing", "auto_scheme", "cache_dir", "cache_key", "choose", "cpu_flags", "device_class",
-           "kernels", "measure", "measure_raw", "render", "resolve_scheme", "route", "route_command"]
+           "kernels", "measure", "measure_raw", "render", "resolve_scheme", "route"]
 
 
 def route(refresh: bool = False, *, shapes=SHAPES, passes: int = 3, decode_calls: int = 10,
@@ -89,20 +87,6 @@ def route(refresh: bool = False, *, shapes=SHAPES, passes: int = 3, decode_calls
 def auto_scheme() -> str:
     """The scheme ``edgeq quantize --scheme auto`` uses: this machine's measured route (cached after the first run)."""
     return route().choice
-
-
-def route_command(
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    refresh: bool = typer.Option(False, "--refresh", help="Measure again instead of reading the per-machine cache."),
-    passes: int = typer.Option(3, "--passes", help="Interleaved passes (the median is reported; at least 3)."),
-) -> None:
-    """This machine: device class, available kernels, a measured microbenchmark of each path, the fastest scheme."""
-    from edgeq.console import emit, out
-
-    if passes < 3:
-        raise EdgeqError(f"--passes {passes}: need at least 3 (the median of fewer says nothing about the spread)")
-    report = route(refresh=refresh, passes=passes)
-    emit(report, as_json, lambda r: render(r, out))
 
 
 def resolve_scheme(text: Optional[str]) -> Optional[str]:

@@ -283,35 +283,12 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
     return g.result
 
 
-def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: int | None = None, chat: bool = False, max_model_len: int | None = None,
-                     kv_cache_bytes: str = "256MiB", stop: list[str] | None = None, strict_layout: bool = False,
-                     threads: int | None = None, verify: bool = False, as_json: bool = False, quiet: bool = False) -> None:
-    """`edgeq generate PATH PROMPT`: stream the completion to stdout; load info and tokens/s to stderr (not with
-    ``quiet``). ``as_json``: nothing streamed, one JSON object on stdout at the end (:func:`generation_record`)."""
-    from edgeq.console import emit, say, write  # noqa: PLC0415
-    from edgeq.runtime.loader import load  # noqa: PLC0415
+def generate_command(*args, **kwargs) -> None:
+    """Alias to sweep: ``edgeq generate`` is :func:`edgeq.cli.generate.generate_command` (tests/test_runtime.py still
+    imports it from here). An upward import until the sweep removes this function."""
+    from edgeq.cli.generate import generate_command as command  # noqa: PLC0415
 
-    quiet = quiet or as_json
-    t = time.perf_counter()
-    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads,
-              verify=verify)
-    load_seconds = time.perf_counter() - t
-    s = lm.settings
-    say(f"loaded {path} in {load_seconds:.2f} s: {describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "
-        f"{s.max_cached_tokens} tokens, {s.threads} threads", quiet)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
-    g = Generation(lm, encode_prompt(lm, prompt, chat), params)
-    for d in g:
-        if not as_json:
-            write(d.text)
-    r = g.result
-    if as_json:
-        emit(generation_record(path, lm, r, load_seconds), as_json=True)
-        return
-    write("\n")
-    say(f"prefill {r.prompt_tokens} tokens at {r.prefill_tokens_per_s:.1f} tok/s; decode {len(r.token_ids)} tokens "
-        f"at {r.decode_tokens_per_s:.1f} tok/s; finish: {r.finish_reason}; paths {dict(lm.path_counts)}", quiet)
+    command(*args, **kwargs)
 
 
 def describe_paths(s) -> str:

@@ -97,17 +97,3 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         del files, tensors  # unmapped before the rename (in place: the old files are removed)
     return RepackReport(str(dst), changed, count, nbytes, time.perf_counter() - t0, info.layout.layout_hash, target.layout_hash)
-
-
-def repack_command(path: str, out: str | None = None) -> None:
-    """`edgeq repack PATH [--out DIR]`: rewrite the packed weights for this machine's kernel layout."""
-    from edgeq.console import say  # noqa: PLC0415
-    from edgeq.convert.pipeline import describe_layout  # noqa: PLC0415
-
-    r = repack(path, out)
-    layout = describe_layout(tinygemm.probe())  # the target: what this process's torch packs for, and why
-    if not r.changed:
-        say(f"{r.path}: already packed for this machine (layout {layout}); nothing to do")
-    else:
-        say(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
-            f"to {layout} in {r.seconds:.2f} s")

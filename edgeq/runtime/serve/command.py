@@ -1,6 +1,8 @@
-"""``edgeq serve PATH``: load, bind, say where, serve."""
+"""The server's run: load, bind, announce, serve; ``edgeq serve``'s options and output are edgeq/cli/serve.py."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime.serve.app import create_app
@@ -9,16 +11,14 @@ from edgeq.runtime.serve.app import create_app
 def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
                   kv_cache_bytes: str = "256MiB", queue_size: int = 8, max_body_bytes: str = "1MiB",
                   model_name: str | None = None, strict_layout: bool = False, threads: int | None = None,
-                  as_json: bool = False, quiet: bool = False) -> None:
-    """`edgeq serve PATH`: load the checkpoint, bind, say where, and serve the OpenAI-compatible API.
+                  announce: Callable[[dict, object], None] | None = None, calm: bool = False) -> None:
+    """Load the checkpoint, bind, ``announce(record, lm)``, and serve the OpenAI-compatible API until stopped.
 
-    The socket is bound before the startup line is printed (one line on stderr; with ``as_json`` one JSON line on
-    stdout, :func:`startup_record`), so a client that has read the line can connect, and ``--port 0`` reports the
-    port the OS chose. ``quiet`` and ``as_json`` keep uvicorn to warnings (no access log on stdout)."""
+    The socket is bound before ``announce`` is called with :func:`startup_record`, so a client that has read the
+    announcement can connect, and ``port=0`` reports the port the OS chose. ``calm`` keeps uvicorn to warnings (no
+    access log on stdout)."""
     import uvicorn  # noqa: PLC0415
 
-    from edgeq.console import emit_line, say  # noqa: PLC0415
-    from edgeq.runtime.generation import describe_paths  # noqa: PLC0415
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
     if queue_size < 0:
@@ -27,13 +27,8 @@ def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_mode
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name)
     sock = _listen(host, port)
     record = startup_record(lm, host, sock.getsockname()[1], model_name or lm.path.name)
-    s = lm.settings
-    if as_json:
-        emit_line(record)
-    else:
-        say(f"edgeq serve: {path} ({describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "
-            f"{s.max_cached_tokens} tokens) on {record['url']}", quiet)
-    calm = quiet or as_json
+    if announce is not None:
+        announce(record, lm)
     config = uvicorn.Config(app, host=host, port=record["port"], log_level="warning" if calm else "info",
                             access_log=not calm)
     uvicorn.Server(config).run(sockets=[sock])

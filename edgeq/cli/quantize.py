@@ -1,0 +1,146 @@
+"""``edgeq quantize`` and ``edgeq recipes``: the convert package's commands (edgeq/convert/, docs/quantize.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from edgeq.cli.options import check_method, mib, parse_bytes, size_option
+from edgeq.console import emit, err, out
+from edgeq.io.hub import REVISION_HELP, resolve_model
+
+
+def quantize(
+    model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
+    revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
+                                         "for GPTQ input the checkpoint's group size]."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn (least-squares scale/zero search, default) | clip (min/max + clipping search) | minmax | "
+                                         "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE "
+                                         "[default: the recipe for config.json's model_type]."),
+    requantize: bool = typer.Option(False, "--requantize", help="GPTQ input: requantise (from the exact dequantisation) "
+                                    "the layers that cannot be repacked exactly, e.g. another group size."),
+    head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
+                                             "float model (its lm_head, or its tied embedding)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="--method gptq: calibration text "
+                                         "[default: the bundled edgeq/data/calib-prose.txt]."),
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128]."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512]."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
+                                             "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
+    damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
+                                         "diagonal [default: 0.01]."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    max_shard_size: str = size_option("2GiB", "--max-shard-size", "Largest output shard, e.g. 2GiB, 500MB."),
+) -> None:
+    """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
+    from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415 (torch: only when the command runs)
+    from edgeq.convert.plan import plan_rows  # noqa: PLC0415
+    from edgeq.route import resolve_scheme  # noqa: PLC0415
+    from edgeq.scheme import Scheme  # noqa: PLC0415
+
+    chosen = resolve_scheme(scheme)  # auto: measured once per machine by `edgeq route`, then cached
+    if chosen != scheme:
+        err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
+    parsed = Scheme.parse(chosen) if chosen else None
+    check_method(method)
+    gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
+    prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
+                       head_from=head_from, gptq=gptq)
+    plan = prepared[1]
+    if dry_run:
+        rows = plan_rows(plan)
+        summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
+                   "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems)}
+        if plan.source:
+            summary["source"] = plan.source
+        emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
+        if plan.problems:
+            plan.check()
+        return
+    target = output or Path(f"{str(model).rstrip('/')}-{plan.scheme}")
+    report = _with_progress(lambda cb: convert(model, target, force=force, progress=cb, prepared=prepared,
+                                               max_shard_bytes=parse_bytes(max_shard_size)),
+                            plan.bytes_in + plan.head.bytes_in * plan.tied, quiet or as_json)
+    emit(report, as_json, _render_convert)
+
+
+def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
+    """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
+    that prepare() can refuse calibration options without --method gptq."""
+    from edgeq.convert.pipeline import GPTQOptions  # noqa: PLC0415
+
+    given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
+                               ("act_order", act_order), ("damp", damp)) if v is not None}
+    if method != "gptq" and not given:
+        return None
+    return GPTQOptions(**given)
+
+
+def _with_progress(run, total: int, quiet: bool):
+    """``run(callback)`` under a byte progress bar on stderr (``quiet``: ``run(None)``, no bar)."""
+    if quiet:
+        return run(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415
+
+    columns = (TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[tensor]}", style="dim"))
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("quantize", total=total, tensor="")
+        return run(lambda n, name: bar.update(task, advance=n, tensor=name))
+
+
+def _render_plan(rows: list[dict], summary: dict) -> None:
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title=f"plan: {summary['scheme']} ({summary['method']}, recipe {summary['recipe']})", show_lines=False)
+    for col in ("name", "shape", "dtype", "role", "action", "bytes in", "bytes out"):
+        t.add_column(col, justify="right" if col.startswith("bytes") else "left")
+    for r in rows:
+        action = r["action"] + (f" ({r['reason']})" if r["reason"] else "")
+        t.add_row(r["name"], "x".join(map(str, r["shape"])), r["dtype"], r["role"], action,
+                  f"{r['bytes_in']:,}", f"{r['bytes_out']:,}")
+    out.print(t)
+    ratio = summary["bytes_in"] / summary["bytes_out"] if summary["bytes_out"] else 0
+    out.print(f"total: {mib(summary['bytes_in'])} -> {mib(summary['bytes_out'])} ({ratio:.2f}x); "
+              f"head {'tied: quantised from the embedding, output untied' if summary['tied'] else 'quantised'}")
+    for p in summary["problems"]:
+        err.print(f"[red]cannot quantise: {p}[/red]")
+
+
+def _render_convert(r) -> None:
+    out.print(f"wrote {r.out}  ({r.scheme}, {r.method}, recipe {r.recipe}; layout {r.layout})", highlight=False,
+              soft_wrap=True)
+    out.print(f"  {mib(r.bytes_in)} -> {mib(r.bytes_out)}  ({r.ratio:.2f}x)   {r.seconds:.1f} s   "
+              f"peak RSS {mib(r.peak_rss_bytes)} (anon {mib(r.peak_rss_anon_bytes)})")
+    out.print(f"  {r.quantized} weights quantised, head from {r.head_source}{' (untied)' if r.untied else ''}")
+    out.print(f"  relative reconstruction error: mean {r.mean_relative_error:.4f}, worst {r.worst_relative_error:.4f} ({r.worst_tensor})")
+    for line in r.notes:
+        out.print(f"  {line}")
+
+
+def recipes(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the bundled per-family recipes."""
+    from rich.table import Table  # noqa: PLC0415
+
+    from edgeq.convert.recipe import all_recipes  # noqa: PLC0415
+
+    found = all_recipes()
+
+    def render(_):
+        t = Table(title="recipes")
+        for col in ("name", "model types", "scheme", "method", "keep bf16", "notes"):
+            t.add_column(col)
+        for r in found:
+            t.add_row(r.name, ", ".join(r.model_types), r.scheme, r.method, ", ".join(r.keep_bf16) or "-", r.notes)
+        out.print(t)
+
+    emit([dataclasses.asdict(r) for r in found], as_json, render)
