@@ -101,7 +101,7 @@ class Plan:
     problems: tuple[str, ...]
     tied: bool  # the input had no separate head tensor
     source: dict = field(default_factory=dict)  # what the input was, when not a float checkpoint (GPTQ ingest)
-    options: Any = None  # the method's options (edgeq.convert.pipeline.GPTQOptions for method "gptq")
+    options: Any = None  # the method's options (edgeq.convert.calibrated.GPTQOptions for method "gptq")
 
     @property
     def bytes_in(self) -> int:
@@ -184,7 +184,6 @@ def weight_rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | Non
 
 
 _role = tensor_role  # alias to sweep: edgeq/inspect/kinds.py imports ``_role as plan_role``
-_rule = weight_rule
 
 
 def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) -> Plan:
