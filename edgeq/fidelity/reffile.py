@@ -47,7 +47,7 @@ def write_reference(path: str | os.PathLike, windows: torch.Tensor, rows: list[R
     """Write the reference file atomically (``FILE.tmp``, then renamed): the windows scored and their rows."""
     from safetensors.torch import save_file
 
-    from edgeq import __version__
+    from edgeq.keys import VERSION as __version__
 
     data = RefRows.cat(rows)
     header = {"format": REF_FORMAT, "created_by": f"edgeq {__version__}", "tokenizer_sha256": tokenizer_sha,
