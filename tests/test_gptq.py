@@ -10,60 +10,18 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import gptq as lg
 from edgeq.layouts import tinygemm as tg
 from edgeq.quantize.gptq import HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
+from helpers.gptq import make_gptq, pack_gptq, to_int32
 
 LAYOUT = tg.probe()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# A test-side GPTQ writer (strided sums of shifted fields; the decoder uses shifts and masks) and references.
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    words = words & 0xFFFFFFFF
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, bits: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int [N, K], true zeros int [Gc, N] -> (qweight int32 [K/pf, N], qzeros int32 [Gc, N/pf]) as GPTQModel
-    writes them (v1: the constant 0x11111111 / 0x01010101 subtracted from each zero word, modulo 2^32)."""
-    pf = 32 // bits
-    qt = q.t().to(torch.int64)
-    qweight = sum(qt[j::pf] << (bits * j) for j in range(pf))
-    z = zeros.to(torch.int64)
-    qzeros = sum(z[:, j::pf] << (bits * j) for j in range(pf))
-    if fmt == "gptq":
-        qzeros = qzeros - sum(1 << (bits * j) for j in range(pf))
-    return _to_int32(qweight), _to_int32(qzeros)
-
-
-def act_order_g_idx(k: int, g: int, seed: int) -> torch.Tensor:
-    """A g_idx as GPTQModel writes with desc_act: group = position in a random column order // G."""
-    p = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[p] = (torch.arange(k) // g).to(torch.int32)
-    return g_idx
+# The float64 reference a decoded layer must equal (the GPTQ writer: tests/helpers/gptq.py).
 
 
 def gptq_reference(q, zeros, scales, g_idx) -> torch.Tensor:
     """w[n, k] = s[g_idx[k], n] * (q[n, k] - z[g_idx[k], n]) in float64."""
     g = g_idx.long()
     return scales.double().t()[:, g] * (q.double() - zeros.double().t()[:, g])
-
-
-def make_gptq(n, k, g, bits=4, sym=False, seed=0, act_order=False, zero_extremes=True):
-    gen = torch.Generator().manual_seed(seed)
-    gc = k // g
-    q = torch.randint(0, 2**bits, (n, k), generator=gen)
-    if sym:
-        zeros = torch.full((gc, n), 2 ** (bits - 1))
-    else:
-        zeros = torch.randint(0, 2**bits, (gc, n), generator=gen)
-        if zero_extremes:  # the v1 borrow case (true zero 0) and the top value, in every position of a word
-            zeros[0, :] = 0
-            zeros[-1, : n // 2] = 2**bits - 1
-    scales = (torch.rand(gc, n, generator=gen) * 0.02 + 1e-3).to(torch.float16)
-    g_idx = act_order_g_idx(k, g, seed) if act_order else (torch.arange(k) // g).to(torch.int32)
-    return q, zeros, scales, g_idx
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -75,7 +33,7 @@ def test_hand_worked_words():
     qweight = torch.zeros(2, 8, dtype=torch.int32)  # K = 16, N = 8: output 0 holds 0..15, the others 0
     qweight[0, 0], qweight[1, 0] = 0x76543210, -0x01234568  # the second word is 0xFEDCBA98
     # v1: true zeros all 0 are stored as 0 - 0x11111111 = 0xEEEEEEEF (every field borrows)
-    qzeros = torch.tensor([[_to_int32(torch.tensor(0xEEEEEEEF)).item()]], dtype=torch.int32)
+    qzeros = torch.tensor([[to_int32(torch.tensor(0xEEEEEEEF)).item()]], dtype=torch.int32)
     lin = lg.decode_gptq("m", qweight, qzeros, torch.ones(1, 8), bits=4, group_size=16, sym=False, checkpoint_format="gptq")
     assert lin.q[0].tolist() == list(range(16)) and lin.q[1:].sum() == 0
     assert lin.zeros.tolist() == [[0] * 8]

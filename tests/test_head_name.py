@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import open_checkpoint
 from edgeq.keys import Role
+from helpers.models import save_tiny, save_tiny_biogpt
 
 HEAD = "output_projection"
 RECIPE = f"""name = "biogpt-test"
@@ -29,22 +29,9 @@ embeddings = ["biogpt.embed_tokens.weight", "biogpt.embed_positions.weight"]
 """
 
 
-def _biogpt(path: Path, tied: bool) -> torch.nn.Module:
-    """A tiny random BioGPT (hidden 128, 2 layers, vocab 256) saved in ``path``; returned for reference logits."""
-    import transformers as tf
-
-    cfg = tf.BioGptConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                          vocab_size=256, max_position_embeddings=256, tie_word_embeddings=tied)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 1, 2, 0
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
-    model.save_pretrained(path)
-    return model
-
-
 def test_a_recipe_naming_another_head(tmp_path):
     src, out, recipe = tmp_path / "src", tmp_path / "out", tmp_path / "biogpt.toml"
-    model = _biogpt(src, tied=False)
+    model = save_tiny_biogpt(src, tied=False)
     recipe.write_text(RECIPE)
     _, plan, _ = prepare(src, None, None, str(recipe))
     assert plan.head_module == HEAD and plan.head.source == f"{HEAD}.weight"
@@ -72,7 +59,7 @@ def test_a_recipe_naming_another_head(tmp_path):
 def test_the_head_is_checked_under_the_recipes_name(tmp_path):
     """The plan-time assertion names the recipe's head: a plan whose head is kept is refused."""
     src, recipe = tmp_path / "src", tmp_path / "biogpt.toml"
-    _biogpt(src, tied=False)
+    save_tiny_biogpt(src, tied=False)
     recipe.write_text(RECIPE)
     _, plan, _ = prepare(src, None, None, str(recipe))
     entries = tuple(replace(e, action="keep") if e.role == Role.HEAD else e for e in plan.entries)
@@ -84,13 +71,8 @@ def test_a_tied_head_is_written_under_the_recipes_name_and_the_loader_names_a_mi
     """A tied Llama with a recipe calling its head ``output``: the head is quantised from the embedding and written
     as ``output.*``; the runtime loads a head only where the architecture has that module (a Llama has
     ``lm_head``), and says so."""
-    import transformers as tf
-
     src, out, recipe = tmp_path / "src", tmp_path / "out", tmp_path / "llama-output.toml"
-    cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(src)
+    save_tiny("llama", src, tied=True)
     recipe.write_text('name = "llama-output"\nmodel_types = ["llama"]\nhead = "output.weight"\n')
     convert(src, out, recipe=str(recipe))
     man = json.loads((out / "edgeq_manifest.json").read_text())

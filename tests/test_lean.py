@@ -12,7 +12,9 @@ from transformers import AutoConfig
 from edgeq.errors import EdgeqError
 from edgeq.runtime import generate_ids, load
 from edgeq.runtime.lean import rope_tables
-from test_runtime_helpers import FIXTURE, prose_checkpoint, quantize, save_hf, tiny_model
+from helpers.checkpoints import prose_checkpoint, quantize
+from helpers.models import FIXTURE, save_hf, tiny_model
+from helpers.perm import permute
 
 PROMPT = list(range(5, 29))  # 24 ids inside every tiny vocabulary
 STEPS = 24
@@ -277,12 +279,10 @@ def test_kv_positions_are_written_before_they_are_read(prose):
 def test_act_order_perm_is_gathered_once_per_step(tmp_path, prose):
     import shutil
 
-    from test_runtime_perm import _permute
-
     ckpt = tmp_path / "perm"
     shutil.copytree(prose, ckpt)
     g = torch.Generator().manual_seed(1)
-    _permute(ckpt, torch.cat([torch.randperm(128, generator=g), 128 + torch.randperm(128, generator=g)]))
+    permute(ckpt, torch.cat([torch.randperm(128, generator=g), 128 + torch.randperm(128, generator=g)]))
     lm = load(ckpt, prefill_threshold=8, kv_cache_bytes="1MiB", decode_ops="torch")
     tokens = _tokens(8, 4096)
     lm.reset_counts()

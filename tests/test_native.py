@@ -23,6 +23,7 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import native
 from edgeq.runtime.native import w4a16
+from helpers.native import excess, halves, make_layout, problem
 
 # (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
 CASES = [
@@ -42,41 +43,9 @@ CASES = [
 ]
 
 
-def _halves(s):
-    return tuple(p // 2 + (p % 2) * (s // 2) for p in range(s))
-
-
-def _layout(block_n: int, full: tuple, tails: str = "adjacent") -> tinygemm.TinygemmLayout:
-    perms = {block_n: full}
-    for s in range(16, block_n, 16):
-        perms[s] = {"adjacent": tuple(range(s)), "halves": _halves(s), "reversed": tuple(reversed(range(s)))}[tails]
-    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple(sorted(perms.items())))
-
-
-AVX2_MACHINE = _layout(32, _halves(32))  # what torch packs on an AVX2-dispatch machine
-DEFAULT_MACHINE = _layout(32, tuple(range(32)))  # the default dispatch: adjacent rows everywhere
-HALVES_TAILS = _layout(64, _halves(64), tails="halves")  # not seen from torch, but the kernel reads it
-
-
-def _problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.TinygemmLayout):
-    """Weights quantised from a random matrix by per-group min/max (realistic scales/zeros), packed in ``layout``."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    wg = w.reshape(n, k // g, g)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = (hi - lo).clamp(min=1e-6) / 15
-    q = ((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    wd = tinygemm.dequantize(q, sz, g, dtype=torch.float64)
-    ref = x.double() @ wd.t()
-    bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
-    return x, tinygemm.pack(q, layout), sz, ref, bound
-
-
-def _excess(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
-    """max(|y - ref| / bound): <= 1 means within the stated tolerance."""
-    return float(((y.double() - ref).abs() / bound).max())
+AVX2_MACHINE = make_layout(32, halves(32))  # what torch packs on an AVX2-dispatch machine
+DEFAULT_MACHINE = make_layout(32, tuple(range(32)))  # the default dispatch: adjacent rows everywhere
+HALVES_TAILS = make_layout(64, halves(64), tails="halves")  # not seen from torch, but the kernel reads it
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +72,13 @@ def test_supports_this_machines_layout(ready, here):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-N{}-K{}-G{}".format(*c))
 def test_matches_aten_and_reference(ready, here, case):
     m, n, k, g = case
-    x, qw, sz, ref, bound = _problem(m, n, k, g, seed=n + k + g + m, layout=here)
+    x, qw, sz, ref, bound = problem(m, n, k, g, seed=n + k + g + m, layout=here)
     aten = tinygemm.mm(x, qw, g, sz)
-    assert _excess(aten, ref, bound) <= 1.0  # the tolerance is one aten meets
+    assert excess(aten, ref, bound) <= 1.0  # the tolerance is one aten meets
     for isa in ready["cpu_isas"]:
         y = native.int4_mm(x, qw, g, sz, isa=isa)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        assert _excess(y, ref, bound) <= 1.0, isa
+        assert excess(y, ref, bound) <= 1.0, isa
         # Same rounding as aten almost everywhere: a systematic slip (a wrong zero, an off-by-one nibble) moves many.
         assert float((y != aten).double().mean()) <= 0.05, isa
 
@@ -121,14 +90,14 @@ def test_matches_aten_and_reference(ready, here, case):
 )
 def test_reads_other_machines_layouts(ready, layout):
     for m, n, k, g in [(1, 96 + 16, 512, 64), (4, 64, 256, 32), (8, 32 + 16, 768, 128)]:
-        x, qw, sz, ref, bound = _problem(m, n, k, g, seed=7, layout=layout)
+        x, qw, sz, ref, bound = problem(m, n, k, g, seed=7, layout=layout)
         for isa in ready["cpu_isas"]:
-            assert _excess(native.int4_mm(x, qw, g, sz, layout=layout, isa=isa), ref, bound) <= 1.0, isa
+            assert excess(native.int4_mm(x, qw, g, sz, layout=layout, isa=isa), ref, bound) <= 1.0, isa
 
 
 def test_isa_paths_agree_closely(ready, here):
     """SIMD paths vs the portable one on a decode shape: same math, different summation order."""
-    x, qw, sz, ref, bound = _problem(1, 1536, 1536, 128, seed=3, layout=here)
+    x, qw, sz, ref, bound = problem(1, 1536, 1536, 128, seed=3, layout=here)
     ys = {isa: native.int4_mm(x, qw, 128, sz, isa=isa) for isa in ready["cpu_isas"]}
     for isa, y in ys.items():
         assert float((y != ys["scalar"]).double().mean()) <= 0.02, isa
@@ -139,14 +108,14 @@ def test_amx_prefill_rows_equal_decode_rows(ready, here):
     path does (AMX rows are independent): a 37-row call equals its rows computed 8 and 5 at a time, bit for bit."""
     if "amx" not in ready["cpu_isas"]:
         pytest.skip("no AMX here")
-    x, qw, sz, _, _ = _problem(37, 256 + 64, 768, 128, seed=5, layout=here)
+    x, qw, sz, _, _ = problem(37, 256 + 64, 768, 128, seed=5, layout=here)
     big = native.int4_mm(x, qw, 128, sz, isa="amx")
     parts = torch.cat([native.int4_mm(x[i : i + 8], qw, 128, sz, isa="amx") for i in range(0, 37, 8)])
     assert torch.equal(big, parts)
 
 
 def test_threads_do_not_change_bits(ready, here):
-    x, qw, sz, _, _ = _problem(3, 64 * 5 + 32, 768, 128, seed=11, layout=here)
+    x, qw, sz, _, _ = problem(3, 64 * 5 + 32, 768, 128, seed=11, layout=here)
     n_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -161,21 +130,21 @@ def test_threads_do_not_change_bits(ready, here):
 def test_refuses_other_permutations(ready):
     swapped = tuple(p // 2 + (1 - p % 2) * 32 for p in range(64))  # (j + 32, j): halves with the nibbles exchanged
     bad = [
-        _layout(64, swapped),
-        _layout(64, _halves(64), tails="reversed"),  # tails in an order the kernel does not read
-        _layout(64, tuple(reversed(range(64)))),
-        tinygemm.TinygemmLayout(block_n=128, perms=((128, _halves(128)),)),
-        tinygemm.TinygemmLayout(block_n=64, perms=((64, _halves(64)),)),  # tails not measured
+        make_layout(64, swapped),
+        make_layout(64, halves(64), tails="reversed"),  # tails in an order the kernel does not read
+        make_layout(64, tuple(reversed(range(64)))),
+        tinygemm.TinygemmLayout(block_n=128, perms=((128, halves(128)),)),
+        tinygemm.TinygemmLayout(block_n=64, perms=((64, halves(64)),)),  # tails not measured
     ]
     for layout in bad:
         assert not native.supports(layout)
-    x, qw, sz, _, _ = _problem(1, 64, 256, 32, seed=1, layout=bad[0])
+    x, qw, sz, _, _ = problem(1, 64, 256, 32, seed=1, layout=bad[0])
     with pytest.raises(EdgeqError, match="not one the native kernel implements"):
         native.int4_mm(x, qw, 32, sz, layout=bad[0])
 
 
 def test_bad_inputs_raise_edgeq_error(ready, here):
-    x, qw, sz, _, _ = _problem(2, 64, 256, 64, seed=2, layout=here)
+    x, qw, sz, _, _ = problem(2, 64, 256, 64, seed=2, layout=here)
     with pytest.raises(EdgeqError, match="x: expected bf16"):
         native.int4_mm(x.float(), qw, 64, sz)
     with pytest.raises(EdgeqError, match="x: expected bf16"):
@@ -198,7 +167,7 @@ def test_bad_inputs_raise_edgeq_error(ready, here):
 
 
 def test_call_counter(ready, here):
-    x, qw, sz, _, _ = _problem(1, 64, 256, 32, seed=4, layout=here)
+    x, qw, sz, _, _ = problem(1, 64, 256, 32, seed=4, layout=here)
     native.reset_call_count()
     native.int4_mm(x, qw, 32, sz)
     native.int4_mm(x, qw, 32, sz)
@@ -211,13 +180,13 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {tests!r})
-    from test_native import _problem, _excess, _layout, _halves
+    from helpers.native import excess, halves, make_layout, problem
     from edgeq.runtime import native
     out = {{"available": native.available(), "status": native.status(), "excess": 0.0}}
-    layout = _layout(64, _halves(64))
+    layout = make_layout(64, halves(64))
     for m, n, k, g in [(1, 64 + 48, 768, 128), (6, 128, 512, 32)]:
-        x, qw, sz, ref, bound = _problem(m, n, k, g, seed=5, layout=layout)
-        out["excess"] = max(out["excess"], _excess(native.int4_mm(x, qw, g, sz, layout=layout), ref, bound))
+        x, qw, sz, ref, bound = problem(m, n, k, g, seed=5, layout=layout)
+        out["excess"] = max(out["excess"], excess(native.int4_mm(x, qw, g, sz, layout=layout), ref, bound))
     print("RESULT" + json.dumps(out))
     """
 )

@@ -15,17 +15,10 @@ from edgeq.layouts import tinygemm as tg
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
 from edgeq.scheme import Scheme
-from tiny_models import FAMILIES, save_tiny
+from helpers.checkpoints import dir_digest
+from helpers.models import FAMILIES, save_tiny
 
 GOLDEN = Path(__file__).parent / "golden"
-
-
-def dir_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_file():
-            h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
 
 
 def check_output(src: Path, out: Path, group_size: int = 128, method: str = "rtn") -> None:

@@ -3,31 +3,17 @@
 import json
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from edgeq.cli import main as cli
 from edgeq.convert.pipeline import convert
 from edgeq.errors import EdgeqError
-from tiny_models import save_tiny
-from test_quantize import dir_digest
-
-
-def run_cli(args, capsys):
-    old = sys.argv
-    sys.argv = ["edgeq", *args]
-    try:
-        with pytest.raises(SystemExit) as e:
-            cli.main()
-            raise SystemExit(0)
-    finally:
-        sys.argv = old
-    cap = capsys.readouterr()
-    return e.value.code, cap.out, cap.err
+from helpers.checkpoints import dir_digest
+from helpers.cli import run_cli
+from helpers.models import save_tiny
 
 
 @pytest.fixture

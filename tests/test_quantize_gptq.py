@@ -23,13 +23,11 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm as tg
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
-from test_gptq import act_order_g_idx, make_gptq, pack_gptq
-from test_quantize import dir_digest
-from test_quantize_errors import run_cli
-from tiny_models import make_config
+from helpers.checkpoints import dir_digest
+from helpers.cli import run_cli
+from helpers.gptq import act_order_g_idx, make_gptq, pack_gptq
+from helpers.models import DATA, FIXTURE, make_config
 
-DATA = Path(__file__).resolve().parent.parent / "edgeq" / "data"
-FIXTURE = DATA / "tiny-prose"
 LINEARS = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128), "self_attn.v_proj": (64, 128),
            "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),
            "mlp.down_proj": (128, 256)}

@@ -1,0 +1,45 @@
+"""Test problems for the native W4A16 kernel (edgeq/runtime/native/): weights quantised by per-group min/max, packed
+in a chosen tinygemm layout, with the fp64 reference and the stated tolerance (tests/test_native.py's docstring):
+    |y - ref| <= 2**-8 * |ref| + 2**-14 * A,   A = |x| @ |dequant(W)|.T
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgeq.layouts import tinygemm
+
+
+def halves(s):
+    """The row order of a block of ``s`` rows packed as interleaved halves: 0, s/2, 1, s/2 + 1, ..."""
+    return tuple(p // 2 + (p % 2) * (s // 2) for p in range(s))
+
+
+def make_layout(block_n: int, full: tuple, tails: str = "adjacent") -> tinygemm.TinygemmLayout:
+    """A layout with ``full`` as the order of a whole ``block_n``-row block and ``tails`` the order of each 16-row
+    multiple below it ("adjacent", "halves" or "reversed")."""
+    perms = {block_n: full}
+    for s in range(16, block_n, 16):
+        perms[s] = {"adjacent": tuple(range(s)), "halves": halves(s), "reversed": tuple(reversed(range(s)))}[tails]
+    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple(sorted(perms.items())))
+
+
+def problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.TinygemmLayout):
+    """Weights quantised from a random matrix by per-group min/max (realistic scales/zeros), packed in ``layout``."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = (hi - lo).clamp(min=1e-6) / 15
+    q = ((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    wd = tinygemm.dequantize(q, sz, g, dtype=torch.float64)
+    ref = x.double() @ wd.t()
+    bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+    return x, tinygemm.pack(q, layout), sz, ref, bound
+
+
+def excess(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
+    """max(|y - ref| / bound): <= 1 means within the stated tolerance."""
+    return float(((y.double() - ref).abs() / bound).max())
