@@ -21,7 +21,7 @@ Weights are random (speed does not depend on values).
   w4a8_vnni     the same op forced to its AVX512-VNNI path
   w4a8_avxvnni  the same op forced to its AVX-VNNI path (256-bit vpdpbusd; `auto` on AVX-VNNI CPUs without AVX512)
   w4a8_avx2     the same op forced to its AVX2 path (vpmaddubsw; what `auto` picks on AVX2-only CPUs)
-  w4a8_portable edgeq.layouts.w4a8.w4a8_linear (M = 512 only with --portable-prefill: ~10x slower)
+  w4a8_portable edgeq.runtime.w4a8_compute.w4a8_linear (M = 512 only with --portable-prefill: ~10x slower)
   w4a8_portable_fp32  the same with backend="fp32" (the portable path's backend on CPUs without AVX512-VNNI/AMX)
   w4a16_native  edgeq.runtime.native.int4_mm on the tinygemm layout of the same q (W4A16, bf16 activations)
   bf16          torch.nn.functional.linear on bf16 weights
@@ -45,9 +45,11 @@ from pathlib import Path
 
 import torch
 
+from edgeq.cpu import has_vnni
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as L
 from edgeq.quantize.w4a8 import group_sq_error, quantize_w4a8
+from edgeq.runtime import w4a8_compute as C
 
 MODEL = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose" / "model.safetensors"
 
@@ -92,12 +94,12 @@ def build(n: int, k: int, g: int, gen: torch.Generator) -> dict:
 def arms(data: dict, g: int, exact: bool) -> dict:
     p = data["packed"]
     a = {
-        "portable": lambda x: L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g),
+        "portable": lambda x: C.w4a8_linear(x, p.qweight, p.scales, p.zeros, g),
         "bf16": lambda x: torch.nn.functional.linear(x, data["w_bf16"]),
         "tinygemm": lambda x: tinygemm.mm(x, data["tg_q"], g, data["tg_sz"]),
     }
     if exact:
-        a["exact"] = lambda x: L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, fma="exact")
+        a["exact"] = lambda x: C.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, fma="exact")
     nat = _native_w4a8()
     if nat is not None:
         a["native"] = lambda x: nat.w4a8_mm(x, p.qweight, p.scales, p.zeros, g)
@@ -173,9 +175,9 @@ def _layer_arms(w: dict, g: int, m: int, footprint: int, portable_prefill: bool)
             if isa in nat.status()["cpu_isas"]:
                 arms[f"w4a8_{isa}"] = (run_w4a8(lambda *a, isa=isa: nat.w4a8_mm(*a, isa=isa), w8), b8, len(w8))
     if m == 1 or portable_prefill:
-        arms["w4a8_portable"] = (run_w4a8(L.w4a8_linear, w8), b8, len(w8))
-        if L.has_vnni():  # the portable backend of CPUs without AVX512-VNNI/AMX (run here with this CPU's fp32 GEMM)
-            fp32 = lambda *a: L.w4a8_linear(*a, backend="fp32")  # noqa: E731
+        arms["w4a8_portable"] = (run_w4a8(C.w4a8_linear, w8), b8, len(w8))
+        if has_vnni():  # the portable backend of CPUs without AVX512-VNNI/AMX (run here with this CPU's fp32 GEMM)
+            fp32 = lambda *a: C.w4a8_linear(*a, backend="fp32")  # noqa: E731
             arms["w4a8_portable_fp32"] = (run_w4a8(fp32, w8), b8, len(w8))
     if native.available():
         w16 = _copies(w["w4a16"], fp)
@@ -256,7 +258,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     print(f"# bench_w4a8  {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"capability {torch.backends.cpu.get_cpu_capability()}  threads {torch.get_num_threads()}  "
-          f"cpu {platform.processor() or platform.machine()}  vnni {L.has_vnni()}  addcmul_is_fma {L.addcmul_is_fma()}  "
+          f"cpu {platform.processor() or platform.machine()}  vnni {has_vnni()}  addcmul_is_fma {C.addcmul_is_fma()}  "
           f"load {load0:.1f}")
     if a.layer:
         from edgeq.runtime import native_w4a8
@@ -275,15 +277,15 @@ def main() -> None:
         data = build(n, k, a.group, gen)
         for m in (int(v) for v in a.ms.split(",")):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-            before = L.CALLS["w4a8_linear"]
+            before = C.PROCESS_COUNTS["w4a8_linear"]
             reps = 20 if m <= 4 else 2
             times = measure(arms(data, a.group, a.exact), x, a.passes, reps)
-            ran = L.CALLS["w4a8_linear"] - before
+            ran = C.PROCESS_COUNTS["w4a8_linear"] - before
             assert ran == (1 + a.passes * reps) * (2 if a.exact else 1), f"portable path ran {ran} times"
             for name, ts in times.items():
                 ratio = statistics.median(t / b for t, b in zip(ts, times["bf16"]))
                 print(f"| {n} x {k} | {m} | {name} | {statistics.median(ts):.2f} | [{min(ts):.2f} - {max(ts):.2f}] | {ratio:.2f} |")
-    paths = {key: v for key, v in L.CALLS.items() if key.startswith(("blocks_", "fma_"))}
+    paths = {key: v for key, v in C.PROCESS_COUNTS.items() if key.startswith(("blocks_", "fma_"))}
     print(f"\n# portable path blocks by backend/FMA: {paths}; load at end {os.getloadavg()[0]:.1f}")
 
 

@@ -107,7 +107,8 @@ def embedding_rss(args) -> None:
 def w4a8_scalar(args) -> None:
     from edgeq.layouts import w4a8 as L
     from edgeq.quantize.w4a8 import quantize_w4a8
-    from edgeq.runtime import native_w4a8 as N
+    from edgeq.runtime.native import w4a8 as N
+    from edgeq.runtime.w4a8_compute import w4a8_linear
 
     n = k = 1536
     g = 128
@@ -116,7 +117,7 @@ def w4a8_scalar(args) -> None:
     for m in (1, 8, 128):
         x = torch.randn(m, k).to(torch.bfloat16)
         arms = {"scalar": lambda: N.w4a8_mm(x, p.qweight, p.scales, p.zeros, g, isa="scalar"),
-                "portable": lambda: L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g),
+                "portable": lambda: w4a8_linear(x, p.qweight, p.scales, p.zeros, g),
                 "vnni": lambda: N.w4a8_mm(x, p.qweight, p.scales, p.zeros, g, isa="vnni")}
         print(f"M = {m}: " + ", ".join(f"{a} {_median_us(f, 10) / 1e3:.2f} ms" for a, f in arms.items()))
 

@@ -1,5 +1,5 @@
 """edgeq's native W4A8 kernel (edgeq/runtime/native/w4a8.py, edgeq/csrc/w4a8mm*): exact bits against the portable
-path (edgeq.layouts.w4a8.w4a8_linear, itself pinned to the kernel arithmetic in tests/test_w4a8.py) on every ISA path
+path (edgeq.runtime.w4a8_compute.w4a8_linear, itself pinned to the kernel arithmetic in tests/test_w4a8.py) on every ISA path
 this CPU runs (here scalar, avx2, avxvnni, vnni, amx), thread-count independence, the runtime choosing it, and the
 environment switch.
 
@@ -20,6 +20,7 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.native import w4a8 as native_w4a8
+from edgeq.runtime.w4a8_compute import w4a8_linear
 
 # (M, N, K, G): decode M 1..8 (both decode tiles and the 4-row split), prefill M 20..130 (VNNI 8-row tiles + tails;
 # AMX 32-row steps with a full, partial (20, 50) or absent (33, 130) second 16-row tile);
@@ -97,7 +98,7 @@ def test_bits_equal_the_portable_path_on_every_isa(ready, m, n, k, g):
     x = _acts(m, k, gen)
     bias = (torch.randn(n, generator=gen) * 4).to(torch.bfloat16)
     for b in (None, bias):
-        want = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g, b)
+        want = w4a8_linear(x, p.qweight, p.scales, p.zeros, g, b)
         for isa in ready["cpu_isas"]:
             got = native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, g, b, isa=isa)
             assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -115,7 +116,7 @@ def test_subnormal_and_huge_outputs_and_fp32_inputs(ready):
         x = torch.randn(5, 256, generator=gen)
         bias = torch.randn(64, generator=gen) * (2.0 ** exp[0])
         for xx, b in ((x.to(torch.bfloat16), None), (x, bias)):
-            want = L.w4a8_linear(xx, p.qweight, p.scales, p.zeros, 64, b)
+            want = w4a8_linear(xx, p.qweight, p.scales, p.zeros, 64, b)
             for isa in ready["cpu_isas"]:
                 got = native_w4a8.w4a8_mm(xx, p.qweight, p.scales, p.zeros, 64, b, isa=isa)
                 assert torch.equal(_bits(got), _bits(want)), (exp, isa)
@@ -182,7 +183,7 @@ def test_runtime_chooses_the_native_op_after_the_probe(ready):
     mod = w4a8linear.W4A8Linear("m", p.qweight, p.scales, p.zeros, 128, None, counts, choice)
     x = _acts(3, 256, gen)
     calls = native_w4a8.call_count()
-    assert torch.equal(_bits(mod(x)), _bits(L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 128)))
+    assert torch.equal(_bits(mod(x)), _bits(w4a8_linear(x, p.qweight, p.scales, p.zeros, 128)))
     assert counts == Counter({"w4a8_kernel": 1}) and native_w4a8.call_count() == calls + 1
 
 
@@ -242,7 +243,7 @@ def test_avx2_class_cpu_gets_its_256_bit_path(ready, isa_env, monkeypatch, bits,
     p = _weights(96, 256, 64, gen)
     for m in (5, 12):
         x = _acts(m, 256, gen)
-        want = L.w4a8_linear(x, p.qweight, p.scales, p.zeros, 64)
+        want = w4a8_linear(x, p.qweight, p.scales, p.zeros, 64)
         assert torch.equal(_bits(native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64)), _bits(want))
     with pytest.raises(EdgeqError, match=f"isa 'amx' is not one this CPU runs \\({', '.join(have)}\\)"):
         native_w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 64, isa="amx")

@@ -63,8 +63,8 @@ def _arms(data: dict, g: int, found: dict) -> dict[str, Callable]:
     import torch
 
     from edgeq.layouts import tinygemm
-    from edgeq.layouts import w4a8 as L
     from edgeq.runtime.qlinear import Int4Linear, Runtime, scratch_for
+    from edgeq.runtime.w4a8_compute import w4a8_linear
 
     p = data["w4a8"]
     arms: dict[str, Callable] = {"bf16": lambda x: torch.nn.functional.linear(x, data["w"])}
@@ -77,7 +77,7 @@ def _arms(data: dict, g: int, found: dict) -> dict[str, Callable]:
     if found["native"] is not None:
         nat = found["native"]
         arms["native"] = lambda x: nat.int4_mm(x, data["tg_q"], g, data["tg_sz"])
-    arms["w4a8_portable"] = lambda x: L.w4a8_linear(x, p.qweight, p.scales, p.zeros, g)
+    arms["w4a8_portable"] = lambda x: w4a8_linear(x, p.qweight, p.scales, p.zeros, g)
     if found["w4a8"].fn is not None:
         fn = found["w4a8"].fn
         arms["w4a8_kernel"] = lambda x: fn(x, p.qweight, p.scales, p.zeros, g, None)
