@@ -34,6 +34,7 @@ from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter, _header_bytes
 from edgeq.convert.pipeline import _manifest, quantization_config
 from edgeq.layouts import tinygemm
 from edgeq.inspect.report import inspect_checkpoint
+from edgeq.runtime.crossover import cache_capability
 from edgeq.scheme import Scheme
 
 import torch
@@ -155,7 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-inspect-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"torch {torch.__version__}, capability {tinygemm.capability()}; checkpoints in {root} (sparse)")
+    print(f"torch {torch.__version__}, capability {cache_capability()}; checkpoints in {root} (sparse)")
     cases = {"hf": make_hf(root / "hf"), "edgeq": make_edgeq(root / "edgeq")}
     for kind, path in cases.items():
         r = bench(path)

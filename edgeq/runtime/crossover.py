@@ -17,15 +17,21 @@ import time
 import torch
 
 from edgeq.env import cache_dir
-from edgeq.layouts import tinygemm
 
 M_SMALL, M_LARGE = 8, 64
 LOW, HIGH = 2, 1024
 
 
+def cache_capability() -> str:
+    """The CPU capability as the crossover cache key spells it: ``$ATEN_CPU_CAPABILITY`` exactly as set (``avx2``),
+    else torch's spelling (``AVX512``). Not :func:`edgeq.cpu.capability` (always torch's spelling of what really
+    runs, ``AVX2`` there): caches written before that function existed are keyed by this spelling, and another one
+    would re-measure every cached crossover."""
+    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+
+
 def _key(layer, path: str) -> str:
-    # tinygemm.capability(): $ATEN_CPU_CAPABILITY as spelled, else torch's -- the spelling existing caches are keyed by
-    return "|".join([torch.__version__, tinygemm.capability(), f"threads={torch.get_num_threads()}", path,
+    return "|".join([torch.__version__, cache_capability(), f"threads={torch.get_num_threads()}", path,
                      f"N={layer.out_features}", f"K={layer.in_features}", f"G={layer.group_size}"])
 
 
