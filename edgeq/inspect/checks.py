@@ -1,8 +1,9 @@
 """An edgeq checkpoint: manifest, config.json and the safetensors headers must tell the same story.
 
 What every kernel shares is checked here: shards and tensors (dtype, shape) against the manifest, the config's
-scheme/method/kernel and its copy of the layout record, the head, ``tie_word_embeddings``. What differs per kernel
-(packed shapes, the layout record against this machine) is asked of :mod:`edgeq.inspect.kernels`.
+scheme/method/kernel and its copy of the layout record, the head, ``tie_word_embeddings``. What depends on the
+packed format (packed shapes, the layout record against this machine) is asked of the kernel's layout through
+:mod:`edgeq.inspect.packed`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from edgeq.io.manifest import Manifest, read_manifest
 from edgeq.keys import HEAD_MODULE, MANIFEST, Role
 from edgeq.layouts.base import get as get_layout
 from edgeq.scheme import Scheme
-from edgeq.inspect.kernels.base import get as get_checks
 from edgeq.inspect.kinds import QUANT_PARTS, quant_modules, rows, unquantized_params
+from edgeq.inspect.packed import packed_checks
 from edgeq.inspect.schema import EdgeqInfo, QModule, TensorRow
 
 
@@ -37,7 +38,7 @@ class EdgeqFindings:
 def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problems: list[str],
                   warnings: list[str]) -> EdgeqFindings:
     manifest = read_manifest(ckpt.root)
-    checks = get_checks(manifest.kernel)
+    checks = packed_checks(manifest.kernel)
     qmods = _claim_parts(ckpt, manifest)
     roles = {name: t.get("role", Role.OTHER) for name, t in manifest.tensors.items() if isinstance(t, dict)}
     rows_ = rows(ckpt, recipe, qmods, roles)
@@ -46,7 +47,7 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
     if HEAD_MODULE not in manifest.quantized_modules:
         problems.append(f"{MANIFEST}: {HEAD_MODULE} is not among the quantised modules; edgeq always quantises the head")
     modules = checks.modules(ckpt, manifest, g, problems)
-    verdict = checks.layout(ckpt, manifest, modules, g, strict_layout, problems, warnings)
+    verdict = checks.record_verdict(ckpt, manifest, modules, g, strict_layout, problems, warnings)
     head = manifest.head
     tied_source = head.get("source", f"{HEAD_MODULE}.weight") != f"{HEAD_MODULE}.weight"
     params = sum(m.numel for m in modules.values() if not (m.name == HEAD_MODULE and tied_source))
@@ -112,5 +113,5 @@ def check_manifest(ckpt: Checkpoint, manifest: Manifest, problems: list[str]) ->
         want = str(getattr(manifest, key))  # str: the kernel is a Kernel, whose repr is not the file's spelling
         if q.get(key) != want:
             problems.append(f"config.json: quantization_config.{key} = {q.get(key)!r} but the manifest says {want!r}")
-    if problem := get_checks(manifest.kernel).config_layout_problem(q.get("layout"), manifest):
+    if problem := packed_checks(manifest.kernel).config_layout_problem(q.get("layout"), manifest):
         problems.append(f"config.json: {problem} (load refuses the checkpoint)")

@@ -3,7 +3,7 @@ warnings in yellow and problems in red. ``--json`` prints the report itself inst
 
 from __future__ import annotations
 
-from edgeq.inspect.kernels.base import get as get_checks
+from edgeq.layouts.base import get as get_layout
 from edgeq.inspect.kinds import mib
 from edgeq.inspect.schema import ForeignInfo, InspectReport
 
@@ -58,7 +58,7 @@ def _render_edgeq(report: InspectReport, out) -> None:
                   f"the rest {e.group_size}", highlight=False)
     s = e.layout_stored
     color = "green" if e.layout_matches else "yellow"
-    what, verdict = get_checks(e.kernel).describe_layout(s, e.layout_matches)
+    what, verdict = get_layout(e.kernel).describe(s, e.layout_matches)
     out.print(f"  layout {str(s.get('layout_hash'))[:12]} ({what}): [{color}]{verdict}[/{color}]; load: {e.on_load}",
               highlight=False)
     head = f"head quantised ({'untied from ' + e.head_source if e.untied else 'from ' + e.head_source})"

@@ -1,7 +1,7 @@
 """``edgeq inspect --verify``: read the tensor data too, in blocks of :data:`VERIFY_BLOCK_BYTES`.
 
 Shard sha256 against the manifest; NaN/Inf in every float tensor, scales positive, zero points finite; an
-unpack -> pack round trip with the stored layout on a sample of modules (the kernel's own, :mod:`edgeq.inspect.kernels`);
+unpack -> pack round trip with the stored layout on a sample of modules (the kernel's layout's, :mod:`edgeq.inspect.packed`);
 a float head that is a byte copy of the embedding; and the model the config builds against the tensor shapes.
 """
 
@@ -17,8 +17,8 @@ from edgeq.io.hf import Checkpoint
 from edgeq.io.manifest import Manifest
 from edgeq.io.safetensors import FLOAT_CODES, TensorInfo, read_tensor, sha256_file
 from edgeq.keys import HEAD_MODULE
-from edgeq.inspect.kernels.base import get as get_checks
 from edgeq.inspect.kinds import embedding, mib
+from edgeq.inspect.packed import packed_checks
 from edgeq.inspect.schema import QModule, VerifyResult
 
 VERIFY_BLOCK_BYTES = 16 << 20
@@ -115,7 +115,7 @@ def verify(ckpt: Checkpoint, kind: str, manifest: Manifest | None, modules: dict
         read += info.nbytes
     roundtrip = []
     if manifest is not None:
-        checks = get_checks(manifest.kernel)
+        checks = packed_checks(manifest.kernel)
         roundtrip = checks.roundtrip(ckpt, manifest, modules, roundtrip_picks(modules), problems)
     return VerifyResult(len(ckpt.tensors), read, time.perf_counter() - t0, shards, tuple(roundtrip))
 
@@ -123,8 +123,8 @@ def verify(ckpt: Checkpoint, kind: str, manifest: Manifest | None, modules: dict
 def config_problems(ckpt: Checkpoint, modules: dict[str, QModule]) -> list[str]:
     """The model config.json builds (on the meta device, as load builds it) must fit the tensors; a hidden_size or
     layer geometry that contradicts them is refused at load, so it is a problem here too."""
-    from edgeq.runtime import loader  # noqa: PLC0415 - transformers; only under --verify
-    from edgeq.io import skeleton  # noqa: PLC0415
+    from edgeq.io import skeleton  # noqa: PLC0415 - transformers; only under --verify
+    from edgeq.runtime.swap import config_mismatches  # noqa: PLC0415
 
     try:
         model = skeleton.build_meta_model(skeleton.load_config(ckpt.root), torch.bfloat16)
@@ -132,7 +132,7 @@ def config_problems(ckpt: Checkpoint, modules: dict[str, QModule]) -> list[str]:
         return [str(e)]
     shapes = {name: tuple(info.shape) for name, info in ckpt.tensors.items()}
     nk = {m: (q.n, q.k) for m, q in modules.items()}
-    return [f"{p} (load refuses it)" for p in loader.config_mismatches(model, shapes, nk)]
+    return [f"{p} (load refuses it)" for p in config_mismatches(model, shapes, nk)]
 
 
 def stored_twice_data(ckpt: Checkpoint, recipe: Recipe, problems: list[str]) -> None:

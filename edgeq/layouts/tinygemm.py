@@ -28,19 +28,23 @@ The measured permutations are stored in the checkpoint's manifest, so any machin
 (and repack it for its own kernel), and the fingerprint says whether the stored bytes are the kernel's own here.
 """
 
+# size: one file per layout (docs/architecture.md, "Adding a layout"): the measured packing, its record and its
+# Layout members belong together; the W4A16 compute (mm, dequantize) is the part that could move to the runtime.
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterable
 
 import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.keys import MANIFEST, Kernel
+from edgeq.layouts.base import RecordCheck, StoredShape, stored_mismatches
+from edgeq.memory import scratch
 
 PACK_OP = "aten::_convert_weight_to_int4pack_for_cpu"
 KERNEL = Kernel.W4A16
@@ -85,13 +89,9 @@ class TinygemmLayout:
         return runs
 
     def fingerprint(self) -> dict:
-        return {
-            "op": self.op,
-            "torch_version": self.torch_version,
-            "cpu_capability": self.cpu_capability,
-            "block_n": self.block_n,
-            "layout_hash": self.layout_hash,
-        }
+        """The record without its permutations: what config.json copies and what says whether bytes are the same."""
+        return {"op": self.op, "torch_version": self.torch_version, "cpu_capability": self.cpu_capability,
+                "block_n": self.block_n, "layout_hash": self.layout_hash}
 
     def to_json(self) -> dict:
         return {**self.fingerprint(), "perms": {str(s): list(p) for s, p in self.perms}}
@@ -118,19 +118,17 @@ class TinygemmLayout:
     def is_compatible(self, other: "TinygemmLayout") -> bool:
         return self.op == other.op and self.layout_hash == other.layout_hash
 
-
-def config_layout_mismatch(record, layout: TinygemmLayout) -> str | None:
-    """None when config.json's layout record equals the manifest's fingerprint in every field (op, torch_version,
-    cpu_capability, block_n, layout_hash); else which field differs. The manifest's record is the one whose hash is
-    checked against its permutations; the copy in config.json has no permutations, so it is compared field by field
-    (an edited ``block_n`` or ``cpu_capability`` there would otherwise pass unnoticed)."""
-    record = record if isinstance(record, dict) else {}
-    want = layout.fingerprint()
-    for key in want:
-        if record.get(key) != want[key]:
-            return (f"config.json quantization_config.layout.{key} {str(record.get(key))[:16]!r} differs from the "
-                    f"manifest's {str(want[key])[:16]!r}")
-    return None
+    def missing_block(self, rows: Iterable[tuple[str, int]]) -> str | None:
+        """The first module (name, N) this record cannot unpack: N needs a measured block for its tail rows
+        (N % block_n) and, when N >= block_n, a whole one. E.g. block_n 64 with blocks {64, 32} cannot unpack N = 80
+        (a tail of 16)."""
+        sizes = {s for s, _ in self.perms}
+        for name, n in rows:
+            tail = n % self.block_n
+            if n % ROW_MULTIPLE == 0 and ((tail and tail not in sizes) or (n >= self.block_n and self.block_n not in sizes)):
+                return (f"{MANIFEST}: the layout record has no block of {tail or self.block_n} rows, which {name} "
+                        f"(N={n}) needs; it cannot be unpacked or repacked")
+        return None
 
 
 def _op_pack(q: torch.Tensor) -> torch.Tensor:
@@ -290,10 +288,6 @@ def mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)
 
 
-def capability() -> str:
-    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
-
-
 def nbytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
     """Packed nibbles + bf16 (scale, zero) per group: N*K/2 + (K/G)*N*2*2, plus 8*K for an int64 ``M.perm``.
 
@@ -301,14 +295,27 @@ def nbytes(n: int, k: int, group_size: int, perm: bool = False) -> int:
     return n * k // 2 + (k // group_size) * n * 4 + (8 * k if perm else 0)
 
 
+def machine_block_n() -> int:
+    """The row-block size the runtime uses on this machine (its layout's; a foreign checkpoint is repacked to it):
+    what the prefill scratch is sized by. 64 when torch's packing cannot be measured here."""
+    try:
+        return probe().block_n
+    except EdgeqError:
+        return 64
+
+
 class _Tinygemm:
     """The tinygemm W4A16 layout as a :class:`edgeq.layouts.base.Layout` (registered as :data:`LAYOUT`)."""
 
     kernel = KERNEL
     group_sizes = GROUP_SIZES
-    suffixes = (".qweight", ".scales_and_zeros")  # + ".perm" for act-order input
+    suffixes = (".qweight", ".scales_and_zeros")
+    optional_suffixes = (".perm",)  # act-order input: the int64 [K] input permutation, used in place by the loader
     summary = "4-bit weights, bf16 activations (W4A16)"
     runtime_class = "edgeq.runtime.qlinear:Int4Linear"
+    runtime_choice = None  # two paths by M: the kernel below the measured crossover, dequantise + GEMM at and above
+    measured = True
+    per_module_groups = True  # the mm op takes G per call
 
     def out_tensors(self, module: str, n: int, k: int, group_size: int, perm: bool = False):
         out = [(f"{module}.qweight", "U8", (n, k // 2)), (f"{module}.scales_and_zeros", "BF16", (k // group_size, n, 2))]
@@ -317,16 +324,88 @@ class _Tinygemm:
     def nbytes(self, n: int, k: int, group_size: int, perm: bool = False) -> int:
         return nbytes(n, k, group_size, perm)
 
+    def parse_record(self, stored: dict) -> TinygemmLayout:
+        return TinygemmLayout.from_json(stored)
+
+    def config_problem(self, config_copy, record: TinygemmLayout) -> str | None:
+        """Which fingerprint field (op, torch_version, cpu_capability, block_n, layout_hash) of config.json's copy
+        differs from the manifest's record, or None. The manifest's record is the one whose hash is checked against
+        its permutations; the copy has none, so it is compared field by field (an edited ``block_n`` or
+        ``cpu_capability`` there would otherwise pass unnoticed)."""
+        copy, want = (config_copy if isinstance(config_copy, dict) else {}), record.fingerprint()
+        for key in want:
+            if copy.get(key) != want[key]:
+                return (f"config.json quantization_config.layout.{key} {str(copy.get(key))[:16]!r} differs from the "
+                        f"manifest's {str(want[key])[:16]!r}")
+        return None
+
     def read_record(self, stored, config_copy, group_size: int, directory) -> TinygemmLayout:
         """The manifest's layout record ``stored`` parsed (hash checked against its permutations) and equal to
         config.json's copy in every fingerprint field; the refusal names ``directory`` and the field. ``group_size``
         is not part of a tinygemm record (its layout does not depend on G)."""
         if not isinstance(stored, dict):
             raise EdgeqError(f"{directory}/{MANIFEST}: no layout record; re-quantise or `edgeq repack` the checkpoint")
-        layout = TinygemmLayout.from_json(stored)
-        if problem := config_layout_mismatch(config_copy, layout):
+        layout = self.parse_record(stored)
+        if problem := self.config_problem(config_copy, layout):
             raise EdgeqError(f"{directory}: {problem}; the checkpoint is inconsistent, re-quantise it")
         return layout
+
+    def check_record(self, stored: dict, group_size, rows) -> RecordCheck:
+        """The record is measured, so it may be another machine's: readable, with a block for every module's rows,
+        then compared with this machine's (:func:`probe`) by op and hash; another machine's is ``differs``."""
+        view = {key: v for key, v in stored.items() if key != "perms"}
+        try:
+            record = self.parse_record(stored)
+        except EdgeqError as e:
+            return RecordCheck(view, None, False, "refused: the stored layout record is unreadable",
+                               problems=(f"{MANIFEST}: {e}",))
+        problems = tuple(p for p in [record.missing_block(rows)] if p)
+        try:
+            here = probe()
+        except EdgeqError as e:
+            return RecordCheck(view, None, False, "refused: torch's int4 packing cannot be measured here",
+                               problems=problems, warnings=(f"this machine: {e}",))
+        if record.is_compatible(here):
+            return RecordCheck(view, here.fingerprint(), True, "zero-copy: the stored bytes are this machine's kernel "
+                               "layout", problems=problems)
+        what = (f"layout {record.layout_hash[:12]} ({record.cpu_capability}, block {record.block_n}, torch "
+                f"{record.torch_version}) differs from this machine's {here.layout_hash[:12]} "
+                f"({here.cpu_capability}, block {here.block_n}, torch {here.torch_version})")
+        return RecordCheck(view, here.fingerprint(), False, differs=what, problems=problems)
+
+    def logical_shape(self, module: str, tensors, group_size) -> StoredShape:
+        """M.qweight U8 [N, K/2] gives N and K; M.scales_and_zeros must then be [K/G, N, 2] (checked when G is known)
+        and N a multiple of 16."""
+        qw, sz = tensors.get(f"{module}.qweight"), tensors.get(f"{module}.scales_and_zeros")
+        if qw is None or sz is None:
+            return StoredShape(None, None, (f"{module}: quantised module without "
+                                            f"{'qweight' if qw is None else 'scales_and_zeros'}",))
+        if qw.dtype != "U8" or len(qw.shape) != 2:
+            return StoredShape(None, None, (f"{module}.qweight: expected U8 [N, K/2], got {qw.dtype} {list(qw.shape)}",))
+        n, k = qw.shape[0], 2 * qw.shape[1]
+        problems = stored_mismatches(self, module, tensors, n, k, group_size) if group_size else []
+        if n % ROW_MULTIPLE:
+            problems.append(f"{module}: N={n} is not a multiple of {ROW_MULTIPLE}; the kernel cannot use it")
+        return StoredShape(n, k, tuple(problems))
+
+    def roundtrip(self, module: str, read, n: int, k: int, group_size: int, record: TinygemmLayout) -> str | None:
+        try:
+            stored = read(".qweight")
+            again = pack(unpack(stored, n, k, record), record)
+        except EdgeqError as e:
+            return f"{module}.qweight: unpack/repack failed ({e})"
+        if not torch.equal(again, stored):
+            return (f"{module}.qweight: unpack/repack with the stored layout changes {int((again != stored).sum())} "
+                    "byte(s); the layout record does not describe these bytes")
+        return None
+
+    def scratch(self, modules) -> tuple[str, int]:
+        """The prefill path dequantises one row block of the largest weight at a time (:func:`edgeq.memory.scratch`)."""
+        return scratch(modules, machine_block_n())
+
+    def describe(self, stored: dict, matches: bool) -> tuple[str, str]:
+        what = f"{stored.get('cpu_capability')}, block {stored.get('block_n')}, torch {stored.get('torch_version')}"
+        return what, "matches this machine" if matches else "differs from this machine"
 
     def rule(self, n: int, k: int, group_size: int) -> str | None:
         if k % group_size:

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeq.cpu import has_vnni  # noqa: F401 - alias to sweep (benchmarks/bench_w4a8.py): edgeq.cpu.has_vnni
 from edgeq.errors import EdgeqError
 from edgeq.keys import MANIFEST, Kernel
+from edgeq.layouts.base import RecordCheck, StoredShape, stored_mismatches
+from edgeq.memory import w4a8_scratch
 
 KERNEL = Kernel.W4A8
 LAYOUT_NAME = "amx_w4a8"  # the layout record's "layout"/"op" value
@@ -267,13 +268,19 @@ def nbytes(n: int, k: int, group_size: int) -> int:
 
 
 class _W4A8:
-    """The AMX/VNNI W4A8 layout as a :class:`edgeq.layouts.base.Layout` (registered as :data:`LAYOUT`)."""
+    """The AMX/VNNI W4A8 layout as a :class:`edgeq.layouts.base.Layout` (registered as :data:`LAYOUT`). The layout
+    is fixed by the kernel's source, not measured: a record must equal :func:`fingerprint` for G, and there is no
+    repack (load refuses any other record). Nothing is copied at load."""
 
     kernel = KERNEL
     group_sizes = GROUP_SIZES
     suffixes = (".qweight", ".scales", ".zeros")
+    optional_suffixes = ()  # no act-order: an M.perm is refused at load
     summary = "4-bit weights, int8 per-token activations (W4A8)"
     runtime_class = "edgeq.runtime.w4a8linear:W4A8Linear"
+    runtime_choice = "edgeq.runtime.w4a8linear:choose_kernel"  # the compiled op after its probe, else the portable path
+    measured = False
+    per_module_groups = False  # one G per checkpoint (a scheme's); a recipe's group_sizes do not apply
 
     def out_tensors(self, module: str, n: int, k: int, group_size: int, perm: bool = False):
         if perm:
@@ -303,6 +310,67 @@ class _W4A8:
                     f"{want['layout_hash'][:12]}); re-quantise with this edgeq or upgrade edgeq")
         return dict(want)
 
+    def parse_record(self, stored: dict) -> dict:
+        return dict(stored)  # nothing to parse: a record is compared whole (check_record)
+
+    def config_problem(self, config_copy, record: dict) -> str | None:
+        """No permutations in the record: config.json's copy must be the same dict."""
+        return None if config_copy == record else "quantization_config.layout differs from the manifest's layout record"
+
+    def check_record(self, stored: dict, group_size, rows) -> RecordCheck:
+        """The record must equal this edgeq's fingerprint for the scheme's G (``rows`` do not matter: one record
+        describes every N)."""
+        stored = dict(stored)
+        if group_size not in GROUP_SIZES:
+            return RecordCheck(stored, None, False, "refused: the scheme's group size is not a W4A8 one")
+        want = fingerprint(group_size)
+        if stored != want:
+            return RecordCheck(stored, want, False, f"refused: unknown {LAYOUT_NAME} layout record", problems=(
+                f"{MANIFEST}: {LAYOUT_NAME} layout record (version {stored.get('version')!r}, block_k "
+                f"{stored.get('block_k')!r}, hash {str(stored.get('layout_hash'))[:12]}) is not the one this edgeq "
+                f"reads (version {want['version']}, block_k {want['block_k']}, hash {want['layout_hash'][:12]}); "
+                "load refuses it, re-quantise",))
+        return RecordCheck(stored, want, True, "zero-copy: the layout is fixed by the kernel's source")
+
+    def logical_shape(self, module: str, tensors, group_size) -> StoredShape:
+        """M.qweight's first two dims give N = 32 * dim0 and K = bk * dim1 (bk from the scheme's G); M.scales and
+        M.zeros must then be the layout's [N/32, K/G, 32]."""
+        parts = [tensors.get(f"{module}{s}") for s in self.suffixes]
+        if None in parts:
+            missing = ", ".join(s.lstrip(".") for s, t in zip(self.suffixes, parts) if t is None)
+            return StoredShape(None, None, (f"{module}: quantised module without {missing} ({LAYOUT_NAME} stores "
+                                            "qweight, scales, zeros)",))
+        qw = parts[0]
+        bk = block_k(group_size) if group_size in GROUP_SIZES else None
+        slot = (bk or 0) * 16 + COMP_BYTES
+        if bk is None or qw.dtype != "U8" or len(qw.shape) != 3 or qw.shape[2] != slot:
+            return StoredShape(None, None, (f"{module}.qweight: expected U8 [N/32, K/{bk}, {slot}] for G={group_size}, "
+                                            f"got {qw.dtype} {list(qw.shape)}",))
+        n, k = qw.shape[0] * BLOCK_N, qw.shape[1] * bk
+        return StoredShape(n, k, tuple(stored_mismatches(self, module, tensors, n, k, group_size)))
+
+    def roundtrip(self, module: str, read, n: int, k: int, group_size: int, record) -> str | None:
+        """unpack + pack must give back the stored bytes, the int32 compensation after every slot included (a stale
+        compensation would shift every output of the kernel)."""
+        qw, sc, zp = (read(s) for s in self.suffixes)
+        try:
+            again = pack(unpack(qw, group_size), unpack_params(sc), unpack_params(zp), group_size, name=module)
+        except EdgeqError as e:
+            return f"{module}: unpack/repack failed ({e})"
+        if not torch.equal(again.qweight, qw):
+            return (f"{module}.qweight: unpack/repack changes {int((again.qweight != qw).sum())} byte(s) (nibbles or "
+                    "the int32 compensation after each slot do not agree with the zeros); the kernel would compute "
+                    "wrong outputs")
+        return None
+
+    def scratch(self, modules) -> tuple[str, int]:
+        return w4a8_scratch()  # nothing shared at load: the portable path's scratch is per call
+
+    def describe(self, stored: dict, matches: bool) -> tuple[str, str]:
+        what = (f"{LAYOUT_NAME} v{stored.get('version')}, block {stored.get('block_n')} x {stored.get('block_k')}, "
+                f"VNNI-{stored.get('vnni')}")
+        return what, "read by this edgeq" if matches else "not one this edgeq reads"
+
     def rule(self, n: int, k: int, group_size: int) -> str | None:
         bk = block_k(group_size)
         if n % BLOCK_N:
@@ -319,13 +387,10 @@ class _W4A8:
 LAYOUT = _W4A8()
 
 
-# Aliases to sweep: the portable path moved to edgeq.runtime.w4a8_compute (compute is the runtime's; this module is
-# bytes). Callers outside the runtime's owner (route/timing.py, tests/test_native_w4a8.py, benchmarks/bench_w4a8.py,
-# benchmarks/probes.py) still reach it here, resolved on first use; remove once they import the runtime module.
-_MOVED = {"w4a8_linear": "w4a8_linear", "addcmul_is_fma": "addcmul_is_fma", "CALLS": "PROCESS_COUNTS"}
-
-
+# Alias to sweep: the portable path moved to edgeq.runtime.w4a8_compute (compute is the runtime's; this module is
+# bytes). tests/test_w4a8_e2e.py still reaches w4a8_linear here, resolved on first use; remove once it imports
+# edgeq.runtime.w4a8_compute.
 def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module("edgeq.runtime.w4a8_compute"), _MOVED[name])
+    if name == "w4a8_linear":
+        return importlib.import_module("edgeq.runtime.w4a8_compute").w4a8_linear
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,7 +32,6 @@ from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
 from edgeq.runtime.sizes import format_bytes, parse_bytes
 from edgeq.runtime.swap import LayoutRepackWarning, SwapResult, finish, swap  # noqa: F401 - LayoutRepackWarning: edgeq.runtime exports it from here
-from edgeq.runtime.swap import config_mismatches, packed_shape_error  # noqa: F401 - aliases to sweep (inspect/verify.py)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from edgeq.errors import EdgeqError
 from edgeq.io.manifest import Manifest, head_refusal, read_json  # noqa: F401 - read_json: alias to sweep
 from edgeq.keys import CONFIG, FORMAT_VERSION, MANIFEST, QUANT_METHOD, Kernel
 from edgeq.layouts.base import get
-from edgeq.layouts.tinygemm import config_layout_mismatch  # noqa: F401 - alias to sweep (inspect/kernels/w4a16.py)
 from edgeq.scheme import Scheme
 
 FORMAT_VERSIONS = (FORMAT_VERSION,)

@@ -1,2 +1,4 @@
-"""What ``edgeq inspect`` checks that differs per kernel: one module per :class:`edgeq.keys.Kernel`, found by
-:func:`edgeq.inspect.kernels.base.get` (edgeq/inspect/kernels/w4a16.py, w4a8.py)."""
+"""Aliases to sweep: inspect's per-kernel checks are now one implementation, :mod:`edgeq.inspect.packed`, asking the
+kernel's :class:`edgeq.layouts.base.Layout`. ``base.get`` (edgeq/inspect/report.py) and ``w4a16.block_n``
+(edgeq/inspect/hf.py) stay importable here until those import :func:`edgeq.inspect.packed.packed_checks` and
+:func:`edgeq.layouts.tinygemm.machine_block_n`; then this package goes."""
