@@ -194,12 +194,23 @@ def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, tmp_path):
     assert "tied embeddings stored twice" in p
 
 
-def test_every_kernel_has_inspect_checks():
-    """A Kernel member without a module in edgeq/inspect/kernels/ would make inspect refuse its checkpoints."""
-    from edgeq.inspect.kernels.base import get
+def test_every_kernel_has_a_layout_with_the_whole_protocol():
+    """A Kernel member without a registered Layout, or with one that lacks a member, would make inspect (and plan
+    and load) refuse its checkpoints: every kernel's layout is that kernel's and has every member of the protocol,
+    its methods callable, its runtime class one the loader can swap in."""
     from edgeq.keys import Kernel
+    from edgeq.layouts.base import Layout, get
+    from edgeq.runtime.swap import runtime_class
 
-    assert {get(k).kernel for k in Kernel} == set(Kernel)
+    data = set(Layout.__annotations__)
+    methods = {name for name, v in vars(Layout).items() if callable(v) and not name.startswith("_")}
+    assert {"kernel", "runtime_class", "measured"} <= data and {"read_record", "logical_shape", "roundtrip"} <= methods
+    for k in Kernel:
+        layout = get(k)
+        assert isinstance(layout, Layout) and layout.kernel is k
+        assert sorted(m for m in data | methods if not hasattr(layout, m)) == []
+        assert all(callable(getattr(layout, m)) for m in methods)
+        assert callable(getattr(runtime_class(k), "swap_in", None))
 
 
 # ------------------------------------------------------------------------------------------------------- --verify
