@@ -15,10 +15,10 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.keys import Action, Kernel
 from edgeq.layouts.base import get as get_layout
+from edgeq.layouts.tinygemm import machine_block_n
 from edgeq.memory import KVGeometry, MemoryProjection, project, scratch
 from edgeq.memory import Tensor as MemTensor
 from edgeq.scheme import Scheme
-from edgeq.inspect.kernels.w4a16 import block_n
 from edgeq.inspect.schema import SchemeOption
 
 
@@ -58,4 +58,4 @@ def plan_memory(plan: Plan, geometry: KVGeometry, kv_cache_bytes: int, max_model
         else:
             numel = math.prod(e.shape)
             tensors.append(MemTensor(e.name, "BF16", numel, numel * 2))
-    return project(geometry, tensors, scratch(quantized, block_n()), kv_cache_bytes, max_model_len)
+    return project(geometry, tensors, scratch(quantized, machine_block_n()), kv_cache_bytes, max_model_len)

@@ -30,9 +30,9 @@ from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry
 from edgeq.inspect.checks import inspect_edgeq
 from edgeq.inspect.foreign import inspect_foreign
 from edgeq.inspect.hf import plan_memory, scheme_options
-from edgeq.inspect.kernels.base import get as get_checks
 from edgeq.inspect.kinds import (by_category, detect_kind, files_info, model_info, quant_modules, recipe_for, rows,
                                  stored_twice, unquantized_params)
+from edgeq.inspect.packed import packed_checks
 from edgeq.inspect.render import render
 from edgeq.inspect.schema import SCHEMA_VERSION, EdgeqInfo, ForeignInfo, InspectReport, SchemeOption, TensorRow
 from edgeq.inspect.verify import config_problems, stored_twice_data, verify as verify_data
@@ -107,7 +107,7 @@ def _edgeq(ckpt: Checkpoint, rec: Recipe, strict_layout: bool, memory_args: tupl
 
     if no_tokenizer := tokenizer_problem(ckpt.root):
         problems.append(no_tokenizer)
-    checks = get_checks(found.info.kernel)
+    checks = packed_checks(found.info.kernel)
     repack = not found.info.layout_matches and checks.repacks_on_load
     memory = checks.memory(ckpt, found.modules, *memory_args, repack=repack)
     basis = "as stored" + ("; qweights repacked into anonymous memory at load" if repack else "")
