@@ -183,9 +183,6 @@ def weight_rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | Non
     return layout_of(scheme).rule(*shape, scheme.group_size)
 
 
-_role = tensor_role  # alias to sweep: edgeq/inspect/kinds.py imports ``_role as plan_role``
-
-
 def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) -> Plan:
     entries: list[PlanEntry] = []
     problems: list[str] = []

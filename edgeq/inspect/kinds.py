@@ -9,7 +9,7 @@ Nothing here reads tensor data.
 
 from __future__ import annotations
 
-from edgeq.convert.plan import _role as plan_role
+from edgeq.convert.plan import tensor_role
 from edgeq.convert.recipe import Recipe, find_recipe
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
@@ -97,7 +97,7 @@ def rows(ckpt: Checkpoint, recipe: Recipe, qmods: dict, roles: dict[str, str] | 
         elif module is not None:
             role = Role.HEAD if module == head_module else Role.EMBEDDING if module in emb_modules else Role.LINEAR
         else:
-            role = plan_role(name, info.shape, recipe)
+            role = tensor_role(name, info.shape, recipe)
         out.append(TensorRow(name, info.shape, info.dtype, role, module is not None, info.nbytes, info.file.name))
     return out
 
