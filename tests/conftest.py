@@ -1,3 +1,6 @@
+"""Fixtures every test module can ask for by name. Shared functions and constants live in tests/helpers/ (imported
+as ``helpers.*``); a test module never imports another test module (tests/test_test_layout.py)."""
+
 import os
 import sys
 from pathlib import Path
@@ -9,8 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURE = REPO / "edgeq" / "data" / "tiny-prose"
+from helpers.paths import FIXTURE  # noqa: E402  (tests/ is on sys.path from here on)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from edgeq.convert.plan import effective_bits
 from edgeq.convert.pipeline import convert, prepare
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
-from test_quantize_errors import run_cli
-from tiny_models import save_tiny
+from helpers.cli import run_cli
+from helpers.models import save_tiny
 
 
 @pytest.fixture

@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeq.cli.main import main
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.inspect.report import inspect_checkpoint
 from edgeq.runtime import SamplingParams, generate, load, repack
 from edgeq.runtime.generation import Generation, encode_prompt
 from edgeq.io.mapped import MappedFiles
-from test_runtime_helpers import FIXTURE, prose_checkpoint
+from helpers.checkpoints import prose_checkpoint
+from helpers.cli import run_cli
+from helpers.paths import FIXTURE
 
 PROMPT = "Once upon a time"
 BF16_MAX = torch.finfo(torch.bfloat16).max  # finite, but 8 * it overflows: every logit of the head is +-inf
@@ -72,14 +73,6 @@ def _edit_config(directory: Path, fn) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
-def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """The real entry point in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
-
-
 def _subprocess_cli(*args: str) -> subprocess.CompletedProcess:
     """``python -m edgeq.cli.main``: a fresh interpreter, so warnings are printed exactly as a user sees them."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # EDGEQ_CACHE_DIR: the cache_dir fixture's
@@ -104,7 +97,7 @@ def test_a_shard_longer_than_its_header_is_refused(prose, tmp_path, capsys):
     bad = _copy(prose, tmp_path / "bad")
     with open(bad / "model.safetensors", "ab") as f:
         f.write(b"\0" * 8)
-    code, out, err = _cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
+    code, out, err = run_cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
     assert code == 2 and out == ""
     assert "model.safetensors" in err and "but its header describes" in err and "(+8)" in err
     assert len(err.strip().splitlines()) == 1
@@ -120,7 +113,7 @@ def test_verify_finds_flipped_bytes_in_packed_weights(prose, tmp_path, capsys):
     load(bad, prefill_threshold=4)  # the cheap checks pass: the bytes are plausible
     with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: sha256 [0-9a-f]{12}\.\.\. does not match"):
         load(bad, prefill_threshold=4, verify=True)
-    code, out, err = _cli(["generate", str(bad), PROMPT, "--verify"], capsys)
+    code, out, err = run_cli(["generate", str(bad), PROMPT, "--verify"], capsys)
     assert code == 2 and out == "" and "sha256" in err and "re-copy it or re-quantise" in err
     assert load(prose, prefill_threshold=4, verify=True).settings.quantized  # an intact checkpoint passes
 
@@ -178,7 +171,7 @@ def test_a_damaged_embedding_row_stops_the_decode_loop_at_that_token(prose, tmp_
 def test_kernel_error_names_the_kernel_config_json_says(prose, tmp_path, capsys):
     bad = _copy(prose, tmp_path / "bad")
     _edit_config(bad, lambda c: c["quantization_config"].update(kernel="marlin"))
-    code, out, err = _cli(["generate", str(bad), PROMPT], capsys)
+    code, out, err = run_cli(["generate", str(bad), PROMPT], capsys)
     assert code == 2 and out == ""
     assert "config.json: kernel 'marlin' is not one this runtime runs (tinygemm_w4a16, amx_w4a8)" in err
 
@@ -191,7 +184,7 @@ def test_every_field_of_the_config_layout_record_is_checked(prose, tmp_path, cap
     _edit_config(bad, lambda c: c["quantization_config"]["layout"].update({key: value}))
     with pytest.raises(EdgeqError, match=rf"config.json quantization_config.layout.{key} .* differs from the manifest's"):
         load(bad, prefill_threshold=4)
-    code, out, err = _cli(["inspect", str(bad), "--strict"], capsys)
+    code, out, err = run_cli(["inspect", str(bad), "--strict"], capsys)
     assert code == 1 and f"quantization_config.layout.{key}" in out + err
 
 
@@ -204,7 +197,7 @@ def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, tmp_pat
     assert any("model.embed_tokens.weight: checkpoint shape [4096, 256] but config.json implies [4096, 128]" in p
                for p in problems), problems
     assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)
-    code, _, err = _cli(["inspect", str(bad), "--verify", "--strict"], capsys)
+    code, _, err = run_cli(["inspect", str(bad), "--verify", "--strict"], capsys)
     assert code == 1 and "--strict" in err
     assert not [p for p in inspect_checkpoint(prose, verify=True).problems if "config.json implies" in p]
 

@@ -16,8 +16,8 @@ from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.runtime import load
 from edgeq.runtime.serve import handlers as serve_handlers
 from edgeq.runtime.serve import INT64_MAX, INT64_MIN, create_app
-from test_runtime_helpers import prose_checkpoint, with_chat_template
-from test_serve import running_server
+from helpers.checkpoints import prose_checkpoint, with_chat_template
+from helpers.serve import running_server
 
 openai = pytest.importorskip("openai")
 NAME = "prose-chat"

@@ -17,12 +17,12 @@ import pytest
 
 from edgeq.convert.pipeline import convert
 from edgeq.inspect.report import inspect_checkpoint
-from test_quantize import dir_digest
-from test_quantize_errors import run_cli
-from tiny_models import save_tiny
+from helpers.checkpoints import avx2_like_layout, dir_digest
+from helpers.cli import run_cli
+from helpers.models import save_tiny
+from helpers.paths import FIXTURE
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_PROSE = ROOT / "edgeq" / "data" / "tiny-prose"  # large enough that its write lasts seconds
+TINY_PROSE = FIXTURE  # large enough that its write lasts seconds
 
 
 @pytest.fixture
@@ -200,7 +200,6 @@ def test_commit_fsyncs_every_file_and_both_directories(model, tmp_path, capsys, 
 
 def test_repack_commit_is_fsynced_too(model, tmp_path, monkeypatch):
     from edgeq.runtime.repacker import repack
-    from test_runtime_helpers import avx2_like_layout
 
     q = tmp_path / "q"
     convert(model, q)

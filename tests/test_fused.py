@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from edgeq.runtime import fused, load
-from test_runtime_helpers import prose_checkpoint, save_hf, tiny_model
+from helpers.checkpoints import prose_checkpoint
+from helpers.models import save_hf, tiny_model
 
 PROMPT = torch.tensor([list(range(5, 45))])
 

@@ -15,7 +15,9 @@ from edgeq.layouts import tinygemm
 from edgeq.quantize.rtn import quantize_groups
 from edgeq.layouts.tinygemm import nbytes as quantized_bytes
 from edgeq.scheme import Scheme
-from tiny_models import save_tiny
+from helpers.checkpoints import write_reference
+from helpers.cli import run_cli
+from helpers.models import save_tiny
 
 RECIPE = """name = "finer"
 model_types = []
@@ -47,8 +49,6 @@ def test_recipe_group_sizes_are_never_coarser_than_the_scheme(tmp_path):
     ("group_sizes = 32", "group_sizes must be a table of tensor-name regex = group size"),
 ])
 def test_bad_group_sizes_refused_by_the_cli(tmp_path, capsys, line, message):
-    from test_quantize_errors import run_cli
-
     src = save_tiny("llama", tmp_path / "src", tied=True)
     bad = _recipe(tmp_path, RECIPE.replace(RECIPE.splitlines()[-1], line))
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", str(bad)], capsys)
@@ -95,7 +95,6 @@ def test_per_module_groups_round_trip_quantize_load_generate(tmp_path, capsys):
     with torch.inference_mode():
         logits = lm.model(input_ids=ids).logits[0].float()
     # the same logits from the dequantised weights in a plain HF model (per-module groups applied by hand)
-    from test_runtime_helpers import write_reference
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(write_reference(out, tmp_path / "ref"), dtype=torch.bfloat16).eval()
@@ -106,7 +105,6 @@ def test_per_module_groups_round_trip_quantize_load_generate(tmp_path, capsys):
     assert len(new) == 4 and all(0 <= t < 256 for t in new)
     # inspect reports the per-module choice (report field and text)
     from edgeq.inspect.report import inspect_checkpoint
-    from test_quantize_errors import run_cli
 
     r = inspect_checkpoint(out)
     from edgeq.convert.pipeline import tokenizer_problem

@@ -15,8 +15,8 @@ import pytest
 from edgeq.bench import run as bench
 from edgeq.io import hub
 from edgeq.errors import EdgeqError
-from conftest import FIXTURE, REPO
-from test_quantize_errors import run_cli
+from helpers.cli import run_cli
+from helpers.paths import FIXTURE, REPO
 
 BF16, W4 = "edgeq-test/tiny-prose", "edgeq-test/tiny-prose-w4"
 REV_BF16, REV_W4 = "1" * 40, "2" * 40

@@ -13,7 +13,8 @@ from edgeq.errors import EdgeqError
 from edgeq.runtime import generate_ids, load
 from edgeq.runtime.lean import rope_tables
 from helpers.checkpoints import prose_checkpoint, quantize
-from helpers.models import FIXTURE, save_hf, tiny_model
+from helpers.models import save_hf, tiny_model
+from helpers.paths import FIXTURE
 from helpers.perm import permute
 
 PROMPT = list(range(5, 29))  # 24 ids inside every tiny vocabulary

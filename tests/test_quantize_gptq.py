@@ -26,7 +26,8 @@ from edgeq.quantize.rtn import quantize_groups
 from helpers.checkpoints import dir_digest
 from helpers.cli import run_cli
 from helpers.gptq import act_order_g_idx, make_gptq, pack_gptq
-from helpers.models import DATA, FIXTURE, make_config
+from helpers.models import make_config
+from helpers.paths import DATA, FIXTURE
 
 LINEARS = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128), "self_attn.v_proj": (64, 128),
            "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),

@@ -19,7 +19,9 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import LayoutRepackWarning, SamplingParams, generate, load, parse_bytes, repack
 from edgeq.runtime.generation import Generation, encode_prompt, generate_command
-from test_runtime_helpers import ARCHS, FIXTURE, avx2_like_layout, prose_checkpoint, quantize, save_hf, synthetic_checkpoint, tiny_model, write_reference
+from helpers.checkpoints import avx2_like_layout, prose_checkpoint, quantize, synthetic_checkpoint, write_reference
+from helpers.models import ARCHS, save_hf, tiny_model
+from helpers.paths import FIXTURE
 
 ROOT = Path(__file__).resolve().parents[1]
 # Relative to the largest |logit| of the reference. Prefill: the dequant path feeds the bf16 GEMM exactly the
@@ -182,7 +184,7 @@ def test_checkpoint_packed_under_avx2_elsewhere(ckpts, tmp_path):
     hf = save_hf(tiny_model("llama"), tmp_path / "hf")
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from test_runtime_helpers import quantize
+        from helpers.checkpoints import quantize
         from pathlib import Path
         quantize(Path({str(hf)!r}), Path({str(tmp_path / 'q-avx2')!r}))
     """)

@@ -17,8 +17,9 @@ import torch
 from edgeq.errors import EdgeqError
 from edgeq.integrations import EdgeqIntegrationWarning, _state, register_transformers
 from edgeq.scheme import Scheme
+from helpers.models import save_tiny
+from helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("Once upon a time", "The function returns a list of")
 KERNEL_MODULE = {"w4a16-g128": "Int4Linear", "w4a8-g128": "W4A8Linear"}
 
@@ -53,7 +54,7 @@ def _mapped_file(ptr: int) -> str | None:
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 @pytest.mark.parametrize("scheme", list(KERNEL_MODULE))
@@ -203,8 +204,6 @@ def test_without_import_edgeq_transformers_skips_the_quantization(checkpoints):
 def test_biases_and_modules_kept_in_bf16(tmp_path):
     """Qwen2 (q/k/v biases inside the quantised modules) with down_proj kept in bf16 by a recipe: transformers
     reports no missing or unexpected key, the kept Linears are plain and mapped, and the logits are the runtime's."""
-    from tiny_models import save_tiny
-
     from edgeq.convert.pipeline import convert
     from edgeq.runtime import load
 

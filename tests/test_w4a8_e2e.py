@@ -22,8 +22,8 @@ from edgeq.quantize.w4a8 import dequantize_w4a8, quantize_w4a8
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.qinfo import read_checkpoint
 from edgeq.scheme import Scheme
-
-FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
+from helpers.models import save_tiny
+from helpers.paths import FIXTURE
 
 
 # --- the entry points (public once wired, direct before) ------------------------------------------------------------
@@ -121,8 +121,6 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory) -> Path:
-    from tiny_models import save_tiny
-
     return save_tiny("qwen2", tmp_path_factory.mktemp("src") / "qwen2", tied=True, seed=3)  # q/k/v biases, tied head
 
 

@@ -1,7 +1,8 @@
 """Test support shared by the test modules (no tests here; a test module never imports another test module,
 tests/test_test_layout.py checks). tests/conftest.py puts tests/ on sys.path: ``from helpers.models import ...``.
 
-    models       the bundled fixture's path; tiny random models of every family (a saved HF checkpoint, or a module)
+    paths        REPO, DATA, FIXTURE (the bundled trained model)
+    models       tiny random models of every family (a saved HF checkpoint, or a module)
     checkpoints  edgeq checkpoints made by the real pipeline, the dequantised reference, a synthetic one, dir_digest
     cli          run_cli: the real ``edgeq`` entry point in this process -> (exit code, stdout, stderr)
     gptq         a test-side GPTQ writer (GPTQModel's packing, v1 and v2 zero conventions)

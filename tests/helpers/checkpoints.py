@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from edgeq.layouts import tinygemm
-from helpers.models import FIXTURE
+from helpers.paths import FIXTURE
 
 
 def dir_digest(path: Path) -> str:

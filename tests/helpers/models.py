@@ -1,11 +1,11 @@
-"""Model sources: the bundled trained fixture, and tiny random models of every supported family built from
-transformers configs with fixed seeds (no network).
+"""Tiny random models of every supported family, built from transformers configs with fixed seeds (no network).
 
 Two factories, for two jobs:
 - ``save_tiny`` saves a quantizer input: hidden 128, intermediate 256, so every group size 32..128 divides K and N
   is a multiple of 16 (``save_tiny_biogpt``: the same shapes, a head named ``output_projection``).
-- ``tiny_model`` returns a runtime test model: intermediate 352 (a K the groups still divide, N not a multiple of 64),
-  head_dim 32, random biases where the family has them (Qwen2's q/k/v), Gemma2's sliding window inside the prompt.
+- ``tiny_model`` returns a runtime test model (bf16, eval): intermediate 352 (11 groups of 32), vocabulary 512,
+  head_dim 32, random biases where the family has them (Qwen2's q/k/v), Gemma2 with a 48-token sliding window and a
+  tied head; ``save_hf`` writes it as an HF checkpoint.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[2]
-DATA = REPO / "edgeq" / "data"
-FIXTURE = DATA / "tiny-prose"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 ARCHS = FAMILIES
 
