@@ -31,7 +31,7 @@ from edgeq.convert.plan import build_plan
 from edgeq.io.hf import open_checkpoint
 from edgeq.convert.recipe import find_recipe
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter, _header_bytes
-from edgeq.convert.pipeline import _manifest, quantization_config
+from edgeq.convert import records
 from edgeq.layouts import tinygemm
 from edgeq.inspect.report import inspect_checkpoint
 from edgeq.runtime.crossover import cache_capability
@@ -97,9 +97,9 @@ def make_edgeq(out: Path, g: dict = EQ) -> Path:
     out.mkdir(parents=True)
     names = _write_sparse(out, specs, 2 << 30)
     layout = tinygemm.probe()
-    manifest = _manifest(plan, layout, {n: "0" * 64 for n in names})  # hashes of holes are never checked here
+    manifest = records.manifest(plan, layout, {n: "0" * 64 for n in names})  # hashes of holes are never checked here
     manifest.write(out)
-    config = {**_config(g), "quantization_config": quantization_config(manifest, plan, layout)}
+    config = {**_config(g), "quantization_config": records.quantization_config(manifest, plan, layout)}
     (out / "config.json").write_text(json.dumps(config))
     return out
 

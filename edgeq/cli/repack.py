@@ -16,7 +16,7 @@ def repack(
                                  "seconds, old and new layout hash)."),
 ) -> None:
     """Rewrite a checkpoint's packed weights for this machine's measured kernel layout."""
-    from edgeq.convert.pipeline import describe_layout  # noqa: PLC0415 (torch: only when the command runs)
+    from edgeq.convert.records import describe_layout  # noqa: PLC0415 (torch: only when the command runs)
     from edgeq.layouts import tinygemm  # noqa: PLC0415
     from edgeq.runtime.repacker import repack as rewrite  # noqa: PLC0415
 

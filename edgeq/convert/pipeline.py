@@ -36,7 +36,7 @@ from edgeq.convert.ingest_gptq import build_gptq_plan, read_gptq_config
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, build_plan
 from edgeq.convert.recipe import Recipe, find_recipe
-from edgeq.convert.records import copy_aux, describe_layout, manifest, notes, quantization_config, tokenizer_problem, write_config
+from edgeq.convert.records import copy_aux, manifest, notes, tokenizer_problem, write_config
 from edgeq.convert.stream import Progress, rss
 from edgeq.convert.stream import stream as _stream  # a module global: tests replace it
 from edgeq.convert.verify import verify_written
@@ -49,13 +49,10 @@ from edgeq.quantize.rtn import METHODS
 from edgeq.scheme import Scheme
 
 DEFAULT_SHARD_BYTES = 2 << 30
-_manifest = manifest  # alias to sweep: benchmarks/bench_inspect.py imports pipeline._manifest
 
-# what callers outside edgeq/convert/ import from here: convert, prepare, GPTQOptions (cli, benchmarks),
-# tokenizer_problem (inspect), describe_layout (runtime/repacker.py), quantization_config (benchmarks),
-# verify_written (tests)
-__all__ = ["ConvertReport", "GPTQOptions", "convert", "describe_layout", "prepare", "quantization_config",
-           "tokenizer_problem", "verify_written"]
+# what callers outside edgeq/convert/ import from here: convert, prepare, GPTQOptions (their option type); tests
+# still import tokenizer_problem (edgeq/convert/records.py) and verify_written (edgeq/convert/verify.py) from here
+__all__ = ["ConvertReport", "GPTQOptions", "convert", "prepare", "tokenizer_problem", "verify_written"]
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def _edgeq(ckpt: Checkpoint, rec: Recipe, strict_layout: bool, memory_args: tupl
            warnings: list[str]) -> _KindReport:
     """An edgeq checkpoint: its checks, a missing tokenizer, and the memory as stored (repacked when load would)."""
     found = inspect_edgeq(ckpt, rec, strict_layout, problems, warnings)
-    from edgeq.convert.pipeline import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
+    from edgeq.convert.records import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
 
     if no_tokenizer := tokenizer_problem(ckpt.root):
         problems.append(no_tokenizer)
