@@ -23,7 +23,6 @@ import torch
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.io.hf import add_tensors, weight_files
 from edgeq.io.safetensors import Header, TensorInfo, parse_header
-from edgeq.io.safetensors import read_header  # noqa: F401 (alias to sweep: runtime/repacker.py imports it from here)
 
 
 def _check_size(header: Header) -> None:
@@ -53,7 +52,7 @@ class MappedFiles:
     @property
     def infos(self) -> dict[str, SimpleNamespace]:
         """The runtime's former view of :attr:`tensors` (``file``, ``offset``, torch ``dtype``, ``shape``,
-        ``nbytes``), kept for callers not yet moved to :attr:`tensors` (alias to sweep)."""
+        ``nbytes``). Alias to sweep: only tests/test_faults_load.py still reads it; edgeq uses :attr:`tensors`."""
         return {n: SimpleNamespace(name=n, file=t.file, dtype=t.torch_dtype, shape=t.shape, offset=t.start, nbytes=t.nbytes)
                 for n, t in self.tensors.items()}
 

@@ -233,7 +233,7 @@ def check_scales(files: MappedFiles, modules) -> None:
             t = files.get(f"{name}{suffix}")
             bad = int(t.numel() - torch.isfinite(t).sum()) if t.is_floating_point() else 0
             if bad:
-                shard = Path(files.infos[f"{name}{suffix}"].file).name
+                shard = files.tensors[f"{name}{suffix}"].file.name
                 raise DamagedCheckpointError(
                     f"{shard}: tensor {name}{suffix}: {bad} NaN/Inf value(s) in the scales/zeros; the file is damaged: "
                     f"re-copy it or re-quantise (`edgeq inspect --verify` lists every damaged tensor)")

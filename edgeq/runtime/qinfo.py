@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeq.errors import EdgeqError
-from edgeq.io.manifest import Manifest, head_refusal, read_json  # noqa: F401 - read_json: alias to sweep
+from edgeq.io.manifest import Manifest, head_refusal, read_json
 from edgeq.keys import CONFIG, FORMAT_VERSION, MANIFEST, QUANT_METHOD, Kernel
 from edgeq.layouts.base import get
 from edgeq.scheme import Scheme
@@ -99,16 +99,6 @@ def read_checkpoint(directory: str | Path, config: dict) -> QuantInfo | None:
         raise head_refusal(where, manifest.head_name)
     _check_group_sizes(where, manifest)
     return QuantInfo(manifest=manifest, scheme=scheme, layout=layout)
-
-
-def read_quant_info(directory: Path, config: dict) -> QuantInfo | None:
-    """Alias to sweep (edgeq/runtime/repacker.py): :func:`read_checkpoint` of a tinygemm_w4a16 checkpoint, the only
-    kernel `edgeq repack` rewrites; any other kernel is refused as this reader always refused it."""
-    info = read_checkpoint(directory, config)
-    if info is not None and info.kernel is not Kernel.W4A16:
-        raise EdgeqError(f"{directory}/{CONFIG}: kernel {info.kernel.value!r} is not one this runtime runs "
-                         f"({', '.join(KERNELS)}); re-quantise with `edgeq quantize` or upgrade edgeq")
-    return info
 
 
 def _kernel(directory: Path, raw: dict, qc: dict) -> Kernel:

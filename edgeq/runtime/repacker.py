@@ -18,13 +18,15 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from edgeq.io.writer import prepare_output, staging
-from edgeq.io.safetensors import sha256_file
 from edgeq.errors import EdgeqError
+from edgeq.io.manifest import read_json
+from edgeq.io.mapped import MappedFiles
+from edgeq.io.safetensors import read_header, sha256_file
+from edgeq.io.writer import prepare_output, staging
+from edgeq.keys import CONFIG, MANIFEST, Kernel
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
-from edgeq.runtime.qinfo import MANIFEST, read_json, read_quant_info
-from edgeq.io.mapped import MappedFiles, read_header
+from edgeq.runtime.qinfo import KERNELS, QuantInfo, read_checkpoint
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,16 @@ def _metadata(shard: Path) -> dict | None:
         return json.loads(f.read(n)).get("__metadata__")
 
 
+def _tinygemm_info(directory: Path, config: dict) -> QuantInfo | None:
+    """:func:`~edgeq.runtime.qinfo.read_checkpoint` of a tinygemm_w4a16 checkpoint, the only kernel repack rewrites
+    (the only one whose layout is measured per machine); any other kernel is refused with the reader's words."""
+    info = read_checkpoint(directory, config)
+    if info is not None and info.kernel is not Kernel.W4A16:
+        raise EdgeqError(f"{directory}/{CONFIG}: kernel {info.kernel.value!r} is not one this runtime runs "
+                         f"({', '.join(KERNELS)}); re-quantise with `edgeq quantize` or upgrade edgeq")
+    return info
+
+
 def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackReport:
     """Repack ``path`` in place (or into ``out``) for ``layout`` (default: this machine's)."""
     from edgeq.io.hub import is_hub_id  # noqa: PLC0415
@@ -56,7 +68,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
     src = Path(path).resolve()
     dst = Path(out).resolve() if out is not None else src
     config = read_json(src / "config.json")
-    info = read_quant_info(src, config)
+    info = _tinygemm_info(src, config)
     if info is None:
         raise EdgeqError(f"{src}: not an edgeq checkpoint (no quantization_config); nothing to repack")
     target = layout or tinygemm.probe()
@@ -71,7 +83,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
     quantized = set(info.quantized_modules)
     count = nbytes = 0
     with staging(dst, "repack") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to dst, fsynced
-        shards = sorted({Path(i.file) for i in files.infos.values()})
+        shards = sorted({i.file for i in files.tensors.values()})
         digests = {}
         for shard in shards:
             header, _ = read_header(shard)
