@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import pytest
