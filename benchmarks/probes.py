@@ -86,7 +86,7 @@ def embedding_rss(args) -> None:
     if args.cat:  # put the file in the page cache by a sequential read first (large folios)
         for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
             subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
-    from edgeq.bench.worker import prompt_ids
+    from edgeq.bench.spec import prompt_ids
     from edgeq.runtime import load
 
     def rss_file_mib() -> int:

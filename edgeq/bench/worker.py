@@ -36,7 +36,7 @@ from pathlib import Path
 
 from edgeq.bench.edgeq_arm import run_edgeq
 from edgeq.bench.gguf_arm import run_gguf
-from edgeq.bench.spec import PassSpec, prompt_ids  # noqa: F401 - prompt_ids: importable here as before
+from edgeq.bench.spec import PassSpec
 
 T_PROCESS_START = time.perf_counter()  # the worker's start, after its own (light) imports: import_s counts from here
 
