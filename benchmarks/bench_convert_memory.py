@@ -26,7 +26,7 @@ LAYERS = {"0.5x": 3, "1x": 8, "4x": 35}
 
 
 def convert_child(src: Path, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "edgeq.cli.main", "quantize", str(src), "-o", str(out), "--json", "--force", "-q"]
+    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(src), "-o", str(out), "--json", "--force", "-q"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

@@ -55,7 +55,7 @@ def run_child(arm: str, out: Path, scheme: str, extra: list[str]) -> dict:
     the CLI's JSON report. The pipes are drained in threads so that wait4, not communicate(), reaps the child."""
     import threading
 
-    cmd = [sys.executable, "-m", "edgeq.cli.main", "quantize", str(FIXTURE), "-o", str(out), "--scheme", scheme,
+    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(FIXTURE), "-o", str(out), "--scheme", scheme,
            *ARMS[arm], *extra, "--json", "-q", "--force"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)

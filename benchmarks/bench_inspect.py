@@ -8,7 +8,7 @@ Two synthetic checkpoints whose files are only headers plus ``ftruncate`` (spars
   152064), with the manifest written by the converter's own code from the plan.
 
 Reported: the first call in a fresh process (layout probe included), the median of 5 warm in-process calls
-(spread shown), the whole ``python -m edgeq.cli.main inspect`` command (median of 3, wall and CPU seconds: Python and
+(spread shown), the whole ``python -m edgeq.cli inspect`` command (median of 3, wall and CPU seconds: Python and
 torch start-up included), and the bytes the inspecting process read (``rchar`` from /proc/self/io: everything
 read() returned) against the tensor bytes in the files.
 
@@ -143,7 +143,7 @@ def bench(path: Path) -> dict:
     whole, cpu = [], []
     for _ in range(3):
         t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run([sys.executable, "-m", "edgeq.cli.main", "inspect", str(path)], capture_output=True, check=True)
+        subprocess.run([sys.executable, "-m", "edgeq.cli", "inspect", str(path)], capture_output=True, check=True)
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         whole.append(time.perf_counter() - t0)
         cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
@@ -166,7 +166,7 @@ def main() -> None:
         print(f"  first call in a fresh process (incl. layout probe) {c['seconds'] * 1000:8.1f} ms")
         print(f"  warm call, median of 5                           {_median(r['warm'])}")
         print(f"  warm call with --tensors, median of 3            {_median(r['tensors'])}")
-        print(f"  `python -m edgeq.cli.main inspect`, median of 3       {_median(r['whole'])}  wall, "
+        print(f"  `python -m edgeq.cli inspect`, median of 3       {_median(r['whole'])}  wall, "
               f"{statistics.median(r['cpu']):.2f} s CPU (Python + torch start-up included)")
         print(f"  read by an inspecting call: rchar {c['rchar']:,} bytes in {c['syscr']} read() calls, disk "
               f"read_bytes {c['read_bytes']:,}; tensor data in the files {r['data']:,} bytes "

@@ -61,9 +61,9 @@ def run_convert(model: str, scheme: str | None, method: str | None, passes: int,
 
 def _convert_once(model: str, scheme: str | None, method: str | None, out: Path, base: Path, p: int,
                   timeout_s: float):
-    """One ``python -m edgeq.cli.main quantize ... --json`` child: (wall seconds, its rusage, its JSON report, None)
+    """One ``python -m edgeq.cli quantize ... --json`` child: (wall seconds, its rusage, its JSON report, None)
     or, when it timed out, failed or printed no report, (..., the failure record)."""
-    cmd = [sys.executable, "-m", "edgeq.cli.main", "quantize", str(model), "-o", str(out), "--json", "-q", "--force"]
+    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(out), "--json", "-q", "--force"]
     cmd += ["--scheme", scheme] if scheme else []
     cmd += ["--method", method] if method else []
     stdout, stderr = base / f"{p}.out", base / f"{p}.err"
