@@ -78,7 +78,7 @@ def run_child(arm: str, out: Path, scheme: str, extra: list[str]) -> dict:
 
 
 def fidelity(arms: list[str], outs: dict[str, Path], ctx: int, max_tokens: int | None) -> dict:
-    from edgeq.fidelity import core as F
+    from edgeq import fidelity as F
     from edgeq.runtime import load
 
     ref = load(FIXTURE, kv_cache_bytes=16 << 20)

@@ -8,7 +8,7 @@ quantised linear. docs/fidelity.md states every formula.
 
 Where each concern lives (arrows: who calls whom)::
 
-    command      the CLI: Typer signature, progress bar, printing, exit codes
+    edgeq/cli/fidelity.py   the command (above this package): Typer signature, progress bar, printing, exit codes
       -> checkpoints   paths -> models (edgeq.runtime.load), REF/QUANT order check
         -> run         compare / save_reference_file / compare_to_reference_file on in-memory models
           -> sides     a model as a scoring function (+ module, tokenizer, vocab size)
