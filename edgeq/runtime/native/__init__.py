@@ -5,7 +5,9 @@
 - :mod:`.w4a16`: the W4A16 decode kernel ``int4_mm`` (the aten tinygemm op's signature) and the layouts it reads;
 - :mod:`.ops`: the small decode ops in the same library (``decode_attn``, ``add_rms_norm``, ``rope_to_cache``);
 - :mod:`.w4a8`: the W4A8 kernel ``w4a8_mm`` (its own library and namespace);
-- :mod:`.command`: ``edgeq native``.
+- :mod:`.command`: both kernels' status, :func:`~edgeq.runtime.native.command.kernels_status` (``edgeq native``
+  prints it: edgeq/cli/native.py). ``native_command`` here is an alias to sweep (tests/test_native.py calls
+  ``native.native_command``); the command is :func:`edgeq.cli.native.native_command`.
 
 This package's own names are the W4A16 library's (what the runtime passes around as "the native kernel")::
 

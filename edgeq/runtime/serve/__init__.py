@@ -19,7 +19,8 @@ not, cancels its generation at the next token (or before it starts, if it was wa
 Modules: :mod:`.app` builds the app (:func:`create_app`), :mod:`.handlers` does each endpoint's work,
 :mod:`.schemas` reads and validates request bodies, :mod:`.responses` writes OpenAI's response shapes,
 :mod:`.engine` runs one generation at a time and streams it, :mod:`.errors` holds the JSON errors and the middleware
-that contains escaped exceptions, :mod:`.command` is ``edgeq serve``.
+that contains escaped exceptions, :mod:`.command` runs the server (:func:`serve_command`: load, bind, announce,
+serve). The ``edgeq serve`` command, its options and its output, is edgeq/cli/serve.py.
 """
 
 from edgeq.runtime.serve.app import create_app
