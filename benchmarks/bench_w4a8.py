@@ -6,7 +6,7 @@ median over --passes with min-max, and the median of the per-pass ratio to bf16)
   exact:     (--exact) the same with the float64 FMA emulation instead of a probed torch.addcmul
   bf16:      torch.nn.functional.linear(x, W bf16)
   tinygemm:  aten._weight_int4pack_mm_for_cpu (G = 128), edgeq.layouts.tinygemm.mm
-  native:    edgeq.runtime.native_w4a8.w4a8_mm (edgeq's own W4A8 op, best ISA here), when it builds
+  native:    edgeq.runtime.native.w4a8.w4a8_mm (edgeq's own W4A8 op, best ISA here), when it builds
 
 Shapes N x K: 1536 x 1536 and 8960 x 1536 (Qwen2.5-1.5B's q/o and gate/up); M = 1 (decode) and 512 (prefill).
 Weights are random (speed does not depend on values).
@@ -17,7 +17,7 @@ Weights are random (speed does not depend on values).
 
 ``--layer``: one Qwen2.5-1.5B decoder layer's seven projections (q 1536x1536, k/v 256x1536, o 1536x1536, gate/up
 8960x1536, down 1536x8960; G = 128) per arm, at M = 1 and M = 512, arms interleaved per pass:
-  w4a8_native   edgeq.runtime.native_w4a8.w4a8_mm, ISA chosen as the runtime does (amx: AMX for M > 8, VNNI below)
+  w4a8_native   edgeq.runtime.native.w4a8.w4a8_mm, ISA chosen as the runtime does (amx: AMX for M > 8, VNNI below)
   w4a8_vnni     the same op forced to its AVX512-VNNI path
   w4a8_avxvnni  the same op forced to its AVX-VNNI path (256-bit vpdpbusd; `auto` on AVX-VNNI CPUs without AVX512)
   w4a8_avx2     the same op forced to its AVX2 path (vpmaddubsw; what `auto` picks on AVX2-only CPUs)
@@ -107,8 +107,8 @@ def arms(data: dict, g: int, exact: bool) -> dict:
 
 
 def _native_w4a8():
-    """edgeq.runtime.native_w4a8 when it builds and runs here, else None (and say why once)."""
-    from edgeq.runtime import native_w4a8
+    """edgeq.runtime.native.w4a8 when it builds and runs here, else None (and say why once)."""
+    from edgeq.runtime.native import w4a8 as native_w4a8
 
     if native_w4a8.available():
         return native_w4a8
@@ -261,7 +261,7 @@ def main() -> None:
           f"cpu {platform.processor() or platform.machine()}  vnni {has_vnni()}  addcmul_is_fma {C.addcmul_is_fma()}  "
           f"load {load0:.1f}")
     if a.layer:
-        from edgeq.runtime import native_w4a8
+        from edgeq.runtime.native import w4a8 as native_w4a8
 
         st = native_w4a8.status()
         print(f"# --layer: Qwen2.5-1.5B layer, G = {a.group}, passes {a.passes} (interleaved); native W4A8 isa "

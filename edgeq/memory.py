@@ -132,7 +132,7 @@ def scratch(modules: Iterable[tuple[str, int, int]], block_n: int) -> tuple[str,
     return best
 
 
-W4A8_CALL_SCRATCH = 2 << 20  # edgeq.layouts.w4a8.w4a8_linear's default scratch_bytes
+W4A8_CALL_SCRATCH = 2 << 20  # edgeq.runtime.w4a8_compute.w4a8_linear's default scratch_bytes
 
 
 def w4a8_scratch() -> tuple[str, int]:

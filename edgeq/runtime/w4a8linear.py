@@ -6,7 +6,7 @@ kernel's source, so there is nothing to repack: a different record is refused wi
 
 - :class:`W4A8Linear`: ``y = W4A8(x)`` over the mapped ``M.qweight`` / ``M.scales`` / ``M.zeros`` (never copied),
   for every M through one path chosen at load: a compiled kernel when one is available **and** agrees with the
-  portable path bit for bit on a probe -- first edgeq's own native op (:mod:`edgeq.runtime.native_w4a8`, built at
+  portable path bit for bit on a probe -- first edgeq's own native op (:mod:`edgeq.runtime.native.w4a8`, built at
   first use; source ``edgeq native (<isa>)``), then a compiled ``int4_scaled_mm_cpu`` (sglang's ``sgl_kernel`` or
   vLLM's ``_C``) -- else the portable path :func:`edgeq.runtime.w4a8_compute.w4a8_linear` (bit-exact in bf16 to
   the kernel's arithmetic).
@@ -62,7 +62,7 @@ NATIVE_PREFIX = "edgeq native"
 def native_candidate() -> tuple[tuple[str, Callable] | None, str]:
     """(("edgeq native (<isa>)", fn), "") when edgeq's own W4A8 op is built and usable here, else (None, why not).
     ``fn`` already has the portable path's signature. A bad ``EDGEQ_W4A8_ISA`` raises :class:`EdgeqError`."""
-    from edgeq.runtime import native_w4a8
+    from edgeq.runtime.native import w4a8 as native_w4a8
 
     if not native_w4a8.available():  # raises on a user error (unknown or unsupported forced ISA)
         return None, f"edgeq native W4A8 kernel: {native_w4a8.status()['reason']}"

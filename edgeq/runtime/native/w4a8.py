@@ -1,10 +1,11 @@
 """edgeq's native W4A8 kernel over the stored ``amx_w4a8`` layout: ``w4a8_mm`` and its library's ISA choice.
 
 ``w4a8_mm(x, qweight, scales, zeros, group_size, bias=None)`` computes exactly what
-:func:`edgeq.layouts.w4a8.w4a8_linear` (``fused=True``) computes, bit for bit in bf16: per-token int8 activations
-(``127 / amax`` one division, round half to even), exact int32 dot products per K block, ``C = fma(fp32(acc) * s_a,
-s_w, C)`` block by block from the fp32 bias, bf16 round-to-nearest-even. It reads the packed tensors as stored (no
-repacking, no second copy). Design and the exactness argument: docs/w4a8.md, "Native kernel".
+:func:`edgeq.runtime.w4a8_compute.w4a8_linear` (``fused=True``) computes, bit for bit in bf16: per-token int8
+activations (``127 / amax`` one division, round half to even), exact int32 dot products per K block,
+``C = fma(fp32(acc) * s_a, s_w, C)`` block by block from the fp32 bias, bf16 round-to-nearest-even. It reads the
+packed tensors as stored (no repacking, no second copy). Design and the exactness argument: docs/w4a8.md, "Native
+kernel".
 
 ISA paths (``EDGEQ_W4A8_ISA`` forces one: ``scalar|avx2|avxvnni|vnni|amx``; ``off`` disables the kernel; unset/``auto``
 picks the best the CPU has; a forced path the CPU lacks, or an unknown value, is an :class:`EdgeqError`):
