@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import synthetic  # noqa: E402
 
 from edgeq.layouts import tinygemm  # noqa: E402
-from edgeq.runtime.qinfo import MANIFEST, read_json  # noqa: E402
+from edgeq.io.manifest import read_json  # noqa: E402
 from edgeq.io.mapped import MappedFiles  # noqa: E402
+from edgeq.keys import MANIFEST  # noqa: E402
 
 SMOKE_SHAPE = dict(synthetic.SHAPES["scaled"], hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
@@ -60,7 +61,7 @@ def build(work: Path, shape: str, smoke: bool) -> tuple[Path, Path]:
     if not hf.exists():
         synthetic.write(SMOKE_SHAPE if smoke else synthetic.SHAPES[shape], hf)
     if not edgeq_dir.exists():
-        subprocess.run([sys.executable, "-m", "edgeq.cli.main", "quantize", str(hf), "-o", str(edgeq_dir),
+        subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(hf), "-o", str(edgeq_dir),
                         "--scheme", "w4a16-g128", "--recipe", str(uniform_recipe(hf, work))], check=True)
     if not gptq_dir.exists():
         write_gptq(edgeq_dir, gptq_dir)
