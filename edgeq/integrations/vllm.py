@@ -67,7 +67,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 NAME = "edgeq"
-ENV_STRICT = STRICT_LAYOUT
 W4A16, W4A8 = tinygemm.KERNEL, w4a8_layout.KERNEL
 
 
@@ -139,7 +138,7 @@ class EdgeqConfig(QuantizationConfig):
         self.head_name = info.head_name
         if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
-            layout_check(info.layout, tinygemm.probe(), strict=env.flag(ENV_STRICT))
+            layout_check(info.layout, tinygemm.probe(), strict=env.flag(STRICT_LAYOUT))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
@@ -180,7 +179,7 @@ def layout_check(stored: tinygemm.TinygemmLayout, here: tinygemm.TinygemmLayout,
     refusal (:func:`edgeq.runtime.qlinear.layout_refusal`)."""
     foreign = not stored.is_compatible(here)
     if foreign and strict:
-        raise EdgeqError(layout_refusal(stored, here, f"{ENV_STRICT}=1"))
+        raise EdgeqError(layout_refusal(stored, here, f"{STRICT_LAYOUT}=1"))
     return foreign
 
 

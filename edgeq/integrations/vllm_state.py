@@ -22,8 +22,6 @@ from edgeq.errors import EdgeqError
 from edgeq.runtime import crossover, w4a8linear
 from edgeq.runtime.qlinear import Int4Linear, Runtime, make_runtime
 
-ENV_THRESHOLD = PREFILL_THRESHOLD
-
 
 class Process:
     """What one vLLM worker process shares across layers: the W4A16 runtime (layout, kernel choice, scratch,
@@ -68,7 +66,7 @@ def threshold(rt: Runtime) -> int:
     """The W4A16 prefill crossover: ``$EDGEQ_PREFILL_THRESHOLD``, else measured (and cached) on the largest
     non-head layer of this process, as :func:`edgeq.runtime.load` does."""
     if rt.prefill_threshold is None:
-        fixed = env.positive_int(ENV_THRESHOLD, "1 = always dequantise")
+        fixed = env.positive_int(PREFILL_THRESHOLD, "1 = always dequantise")
         if fixed is not None:
             rt.prefill_threshold = fixed
         else:

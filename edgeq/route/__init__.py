@@ -34,8 +34,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from edgeq.env import cache_dir
 from edgeq.keys import VERSION
-from edgeq.route.cache_file import CACHE_FILE, cache_dir, cache_key, read_cache, write_cache
+from edgeq.route.cache_file import CACHE_FILE, cache_key, read_cache, write_cache
 from edgeq.route.choice import DECODE_TOKENS, GROUP_SIZE, PREFILL_M, SHAPES, choose
 from edgeq.route.device import CLASSES, RELEVANT_FLAGS, cpu_flags, device_class
 from edgeq.route.records import Kernel, RouteReport, SchemeCost, Timing

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
-from edgeq.env import cache_dir  # noqa: F401 (the route cache lives in edgeq's cache directory; route re-exports it)
 from edgeq.route.records import RouteReport
 
 CACHE_FILE = "route.json"

@@ -11,7 +11,7 @@ import importlib
 # Lazy: `edgeq.runtime.sizes` and friends must be importable without pulling in transformers (inspect, the CLI).
 # The modules are named for what they hold (generation, repacker) so that no function shadows a module of its name.
 _EXPORTS = {
-    "load": "loader", "LoadedModel": "loader", "RuntimeSettings": "loader", "LayoutRepackWarning": "loader",
+    "load": "loader", "LoadedModel": "loader", "RuntimeSettings": "loader", "LayoutRepackWarning": "swap",
     "repack": "repacker", "RepackReport": "repacker", "generate": "generation", "Generation": "generation",
     "GenerationResult": "generation", "SamplingParams": "generation", "generate_ids": "generation", "parse_bytes": "sizes",
 }

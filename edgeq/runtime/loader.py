@@ -31,7 +31,7 @@ from edgeq.runtime import fused, lean
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
 from edgeq.runtime.sizes import format_bytes, parse_bytes
-from edgeq.runtime.swap import LayoutRepackWarning, SwapResult, finish, swap  # noqa: F401 - LayoutRepackWarning: edgeq.runtime exports it from here
+from edgeq.runtime.swap import SwapResult, finish, swap
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ class RuntimeSettings:
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
-ENV_DECODE_LOOP = DECODE_LOOP
 
 
 class LoadedModel:
@@ -265,7 +264,7 @@ def verify_shards(path: Path) -> None:
 
 def _decode_loop_choice(arg: str | None) -> tuple[str, str]:
     """(choice, where it came from: "decode_loop" or "$EDGEQ_DECODE_LOOP")."""
-    return choice(arg, "decode_loop", ENV_DECODE_LOOP, DECODE_LOOPS)
+    return choice(arg, "decode_loop", DECODE_LOOP, DECODE_LOOPS)
 
 
 def _decoder(loop: tuple[str, str], model, config, cache, max_model_len: int, counts, attention: str | None):
