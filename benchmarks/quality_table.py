@@ -29,8 +29,9 @@ import tempfile
 from pathlib import Path
 
 from edgeq import fidelity as F
+from edgeq.convert.calibrated import GPTQOptions
+from edgeq.convert.pipeline import convert
 from edgeq.convert.recipe import find_recipe
-from edgeq.convert.pipeline import GPTQOptions, convert
 from edgeq.keys import DATA
 from edgeq.runtime import load
 from edgeq.scheme import Scheme

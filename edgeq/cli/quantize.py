@@ -8,9 +8,10 @@ from typing import Optional
 
 import typer
 
-from edgeq.cli.options import check_method, mib, parse_bytes, size_option
+from edgeq.cli.options import check_method, mib, size_option
 from edgeq.console import emit, err, out
 from edgeq.io.hub import REVISION_HELP, resolve_model
+from edgeq.runtime.sizes import parse_bytes
 
 
 def quantize(
@@ -76,7 +77,7 @@ def quantize(
 def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
     """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
     that prepare() can refuse calibration options without --method gptq."""
-    from edgeq.convert.pipeline import GPTQOptions  # noqa: PLC0415
+    from edgeq.convert.calibrated import GPTQOptions  # noqa: PLC0415
 
     given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
                                ("act_order", act_order), ("damp", damp)) if v is not None}

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from edgeq.convert.ingest_config import GPTQConfig, default_scheme, read_gptq_config
+from edgeq.convert.ingest_config import GPTQConfig, default_scheme
 from edgeq.convert.plan import (
     GPTQSource, Plan, PlanEntry, assert_head_quantized, packed_bytes, tensor_role, tied_embedding, weight_rule,
 )
@@ -52,7 +52,7 @@ from edgeq.scheme import Scheme
 METHOD = "gptq-ingest"
 PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _FOREIGN_SUFFIXES = (".scales_and_zeros", ".weight_packed", ".weight_scale", ".SCB", ".absmax")
-__all__ = ["METHOD", "GPTQConfig", "build_gptq_plan", "default_scheme", "read_gptq_config"]
+__all__ = ["METHOD", "build_gptq_plan"]
 
 
 def _int(v: Any) -> bool:

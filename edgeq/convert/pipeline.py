@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from edgeq.convert.calibrated import GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
-from edgeq.convert.ingest_gptq import build_gptq_plan, read_gptq_config
+from edgeq.convert.ingest_config import read_gptq_config
+from edgeq.convert.ingest_gptq import build_gptq_plan
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, build_plan
 from edgeq.convert.recipe import Recipe, find_recipe
@@ -42,16 +43,16 @@ from edgeq.convert.stream import stream as _stream  # a module global: tests rep
 from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
-from edgeq.io.manifest import FORMAT_VERSION
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
 from edgeq.io.writer import prepare_output, say, staging
+from edgeq.keys import FORMAT_VERSION
 from edgeq.quantize.rtn import METHODS
 from edgeq.scheme import Scheme
 
 DEFAULT_SHARD_BYTES = 2 << 30
 
-# what callers outside edgeq/convert/ import from here: convert, prepare, GPTQOptions (their option type); tests
-# still import tokenizer_problem (edgeq/convert/records.py) and verify_written (edgeq/convert/verify.py) from here
+# what callers outside edgeq/convert/ import from here: convert and prepare; tests also import GPTQOptions (their
+# option type, edgeq/convert/calibrated.py), tokenizer_problem (records.py) and verify_written (verify.py) from here
 __all__ = ["ConvertReport", "GPTQOptions", "convert", "prepare", "tokenizer_problem", "verify_written"]
 
 

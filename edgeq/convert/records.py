@@ -20,8 +20,8 @@ from edgeq.convert.ingest_stream import describe as describe_ingest
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry, group_sizes
 from edgeq.io.hf import TOKENIZER_FILES, Checkpoint
-from edgeq.io.manifest import FORMAT_VERSION, Manifest
-from edgeq.keys import CONFIG, QUANT_METHOD, VERSION, Action, Kernel, Role
+from edgeq.io.manifest import Manifest
+from edgeq.keys import CONFIG, FORMAT_VERSION, QUANT_METHOD, VERSION, Action, Kernel, Role
 from edgeq.quantize.rtn import METHODS
 
 AUX_FILES = (
