@@ -27,9 +27,9 @@ from edgeq.bench.schedule import run_bench, schedule
 from edgeq.bench.spec import PassSpec, prompt_ids
 from edgeq.bench.summary import summarize
 from edgeq.bench.worker import run_pass
-from edgeq.cli.main import main
+from helpers.cli import run_cli
 
-FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
+from helpers.paths import FIXTURE
 TINY_LINEARS = 4 * 7 + 1  # tiny-prose: 4 layers x (q, k, v, o, gate, up, down) + the head
 MiB = 1 << 20
 
@@ -191,18 +191,12 @@ def test_vs_gguf_skipped_cleanly_without_llama_cpp(quantized, tmp_path, monkeypa
 
     monkeypatch.setattr(bench, "llama_cpp_available", lambda: False)
     monkeypatch.setattr(bench, "run_bench", fake_run_bench)
-    code, out, err = _edgeq(capsys, "bench", quantized, "--vs-gguf", gguf, "--json")
+    code, out, err = run_cli(["bench", quantized, "--vs-gguf", gguf, "--json"], capsys)
     assert code == 0, out + err
     assert [a.label for a in seen["arms"]] == ["A"]
     assert "llama-cpp-python is not installed" in err
 
 
-def _edgeq(capsys, *args) -> tuple[int, str, str]:
-    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return e.value.code, cap.out, cap.err
 
 
 # ---------------------------------------------------------------------------------------- worker, in process
@@ -275,8 +269,8 @@ def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path, caps
     broken = tmp_path / "broken"
     shutil.copytree(quantized, broken)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # header OK, no tensors
-    code, out, err = _edgeq(capsys, "bench", broken, "--vs", quantized, "--prompt-len", "8", "--gen-len", "2",
-                            "--threads", "1", "--kv-cache-bytes", "1MiB")
+    code, out, err = run_cli(["bench", broken, "--vs", quantized, "--prompt-len", "8", "--gen-len", "2",
+                            "--threads", "1", "--kv-cache-bytes", "1MiB"], capsys)
     output = out + err
     assert code == 1, output
     assert "FAILED: arm A pass 1" in output and "no comparison" in output

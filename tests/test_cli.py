@@ -20,7 +20,7 @@ import typer
 from edgeq import __version__
 from edgeq.cli import main as cli
 
-FIXTURE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
+from helpers.paths import FIXTURE
 
 
 def run(args, capsys):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from edgeq import env
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.inspect.report import inspect_checkpoint
@@ -40,7 +41,7 @@ def prose(tmp_path_factory):
 def cache_dir(tmp_path, monkeypatch) -> Path:
     """A private $EDGEQ_CACHE_DIR (the crossover probe of a CLI load writes there, never to ~/.cache) that reuses
     the built native kernels of the real one (a fresh build takes minutes)."""
-    real = Path(os.environ.get("EDGEQ_CACHE_DIR") or Path.home() / ".cache" / "edgeq")
+    real = env.cache_dir()
     mine = tmp_path / "cache"
     mine.mkdir()
     for sub in ("native", "native_w4a8"):
@@ -58,12 +59,12 @@ def _copy(src: Path, dst: Path) -> Path:
 def _poke(directory: Path, name: str, fn) -> None:
     """Rewrite tensor ``name`` in place in its shard (the header and every other byte unchanged): ``fn`` edits a
     copy of the tensor, which is written back at the same offset."""
-    info = MappedFiles(directory).infos[name]
+    info = MappedFiles(directory).tensors[name]
     with open(info.file, "r+b") as f:
-        f.seek(info.offset)
-        t = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=info.dtype).view(info.shape).clone()
+        f.seek(info.start)
+        t = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=info.torch_dtype).view(info.shape).clone()
         fn(t)
-        f.seek(info.offset)
+        f.seek(info.start)
         f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
@@ -76,7 +77,7 @@ def _edit_config(directory: Path, fn) -> None:
 def _subprocess_cli(*args: str) -> subprocess.CompletedProcess:
     """``python -m edgeq.cli.main``: a fresh interpreter, so warnings are printed exactly as a user sees them."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # EDGEQ_CACHE_DIR: the cache_dir fixture's
-    return subprocess.run([sys.executable, "-m", "edgeq.cli.main", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "edgeq.cli", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

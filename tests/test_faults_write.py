@@ -81,7 +81,7 @@ def test_repack_output_inside_or_equal_to_the_input_is_refused(model, tmp_path, 
 
 def _start_and_freeze(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
     """``python -m edgeq.cli.main quantize`` in a child, stopped (SIGSTOP) while its temporary directory exists."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli.main", "quantize", str(src), "-o", str(out), "-q"],
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "quantize", str(src), "-o", str(out), "-q"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -231,7 +231,7 @@ def test_missing_tokenizer_is_a_warning_at_quantize_and_a_problem_in_inspect(mod
 
 def test_summary_line_names_the_layout_forced_by_aten_cpu_capability(model, tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    r = subprocess.run([sys.executable, "-m", "edgeq.cli.main", "quantize", str(model), "-o", str(tmp_path / "out"), "-q"],
+    r = subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(tmp_path / "out"), "-q"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from edgeq.cli.main import main
 from edgeq.fidelity import checkpoints, metrics
 from edgeq.fidelity.checkpoints import check_order, run_fidelity
 from edgeq.fidelity.metrics import position_stats, top_n_mask
@@ -29,6 +28,7 @@ from edgeq.fidelity.tokens import tokenizer_sha256
 from edgeq.fidelity.topk import position_stats_topk, ref_rows, worst_tail_kl
 from edgeq.keys import DATA
 from edgeq.errors import EdgeqError
+from helpers.cli import run_cli
 
 V = 48  # fake vocabulary: "<bos>", "<eos>", then words w2..w47
 
@@ -652,12 +652,6 @@ def test_render_is_a_compact_table():
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def _edgeq(capsys, *args) -> tuple[int, str, str]:
-    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return e.value.code, cap.out, cap.err
 
 
 def _last_line(text: str) -> str:
@@ -678,7 +672,7 @@ def cli(monkeypatch, tmp_path, capsys):
     text.write_text(make_text(500))
 
     def run(*args) -> SimpleNamespace:
-        code, out, err = _edgeq(capsys, "fidelity", *args, "--text", text, "--ctx", "32")
+        code, out, err = run_cli(["fidelity", *args, "--text", text, "--ctx", "32"], capsys)
         return SimpleNamespace(code=code, out=out, err=err)
     return run
 
@@ -722,15 +716,15 @@ def test_cli_refuses_swapped_reference_and_quantised(cli, tmp_path, capsys):
     Scored as given (--allow-swapped), the PPL ratio is the reciprocal of the true one: a gate would be fooled."""
     (tmp_path / "heavy" / "edgeq_manifest.json").write_text("{}")  # only the file's presence marks an edgeq checkpoint
     common = ["--text", str(tmp_path / "t.txt"), "--ctx", "32", "--json"]
-    code, out, err = _edgeq(capsys, "fidelity", "heavy", "ref", "--max-ppl-ratio", "1", *common)
+    code, out, err = run_cli(["fidelity", "heavy", "ref", "--max-ppl-ratio", "1", *common], capsys)
     assert code == 2 and out == "", (out, err)
     assert err.startswith("error: fidelity: REF heavy is an edgeq checkpoint and QUANT ref is not; the order is REF "
                           "QUANT") and "run edgeq fidelity ref heavy, or pass --allow-swapped" in err
     assert err.count("\n") == 1
-    code, out, err = _edgeq(capsys, "fidelity", "ref", "heavy", *common)
+    code, out, err = run_cli(["fidelity", "ref", "heavy", *common], capsys)
     assert code == 0, err
     right = json.loads(out)["ppl_ratio"]
-    code, out, err = _edgeq(capsys, "fidelity", "heavy", "ref", "--allow-swapped", *common)
+    code, out, err = run_cli(["fidelity", "heavy", "ref", "--allow-swapped", *common], capsys)
     assert code == 0, err
     assert json.loads(out)["ppl_ratio"] == pytest.approx(1 / right, rel=1e-9) and right != pytest.approx(1)
 

@@ -107,7 +107,7 @@ def test_per_module_groups_round_trip_quantize_load_generate(tmp_path, capsys):
     from edgeq.inspect.report import inspect_checkpoint
 
     r = inspect_checkpoint(out)
-    from edgeq.convert.pipeline import tokenizer_problem
+    from edgeq.convert.records import tokenizer_problem
 
     assert r.problems == (tokenizer_problem(out),)  # the tiny model has no tokenizer files; nothing else is wrong
     assert dict(r.edgeq.group_sizes) == man.group_sizes and r.edgeq.group_size == 128

@@ -174,7 +174,7 @@ def test_hub_errors_name_their_cause():
 def test_environment_variables_in_a_fresh_process(cache, tmp_path):
     """The documented way: HF_HUB_CACHE and HF_HUB_OFFLINE in the environment of the real command."""
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-m", "edgeq.cli.main", "inspect", W4, "--json"], cwd=tmp_path, env=env,
+    run = subprocess.run([sys.executable, "-m", "edgeq.cli", "inspect", W4, "--json"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["path"] == _snap(cache, W4, REV_W4)

@@ -29,7 +29,7 @@ from edgeq.memory import Tensor as MemTensor
 from edgeq.inspect.report import inspect_checkpoint, render
 from edgeq.scheme import Scheme
 
-TINY_PROSE = Path(__file__).resolve().parent.parent / "edgeq" / "data" / "tiny-prose"
+from helpers.paths import FIXTURE as TINY_PROSE
 
 # tiny-prose: Llama, 4 layers, hidden 256, intermediate 768, 4 heads (head_dim 64), 2 KV heads, vocab 4096, tied.
 TP_LAYER_MODULES = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),

@@ -262,7 +262,7 @@ def test_avx2_class_cpu_gets_its_256_bit_path(ready, isa_env, monkeypatch, bits,
 
 @pytest.fixture(scope="module")
 def tiny_w4a8(tmp_path_factory) -> Path:
-    from tiny_models import save_tiny
+    from helpers.models import save_tiny
 
     from edgeq.convert.pipeline import convert
     from edgeq.scheme import Scheme

@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from edgeq.bench.run import Arm, worker_env
+from edgeq.bench.process import worker_env
+from edgeq.bench.records import Arm
 
 
 def test_importing_edgeq_leaves_the_policy_alone():

@@ -313,7 +313,8 @@ def test_heads(tmp_path, capsys):
 def test_head_assertion_holds_for_ingest(tmp_path, capsys):
     """At plan time, after writing, and in the loader: an ingest whose head is not quantised is refused."""
     from edgeq.convert.plan import assert_head_quantized
-    from edgeq.convert.pipeline import prepare, verify_written
+    from edgeq.convert.pipeline import prepare
+    from edgeq.convert.verify import verify_written
     from edgeq.runtime import load
 
     src = tmp_path / "src"
@@ -578,7 +579,7 @@ def test_method_gptq_on_the_fixture_beats_rtn(tmp_path, capsys, fixture_model, f
     """The bundled model, w4a16-g128, act-order GPTQ from 8 x 128 calibration tokens: a valid checkpoint that the
     runtime loads (perm applied), whose KL divergence to the bf16 model on the held-out text is below the default
     RTN's (measured 0.0055 vs 0.0085 over 2000 tokens at ctx 256)."""
-    from edgeq.fidelity import core as F
+    from edgeq import fidelity as F
     from edgeq.runtime import load
 
     report = quantize_cli(fixture_model, tmp_path / "gptq", capsys, "--method", "gptq", "--nsamples", "8",

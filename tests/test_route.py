@@ -11,6 +11,7 @@ import torch
 
 from edgeq import route as R
 from edgeq.runtime.w4a8linear import KernelChoice
+from helpers.cli import run_cli
 
 SPR = {"fpu", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
        "amx_tile", "amx_int8", "amx_bf16"}
@@ -126,21 +127,11 @@ def test_route_is_cached_per_machine_and_refreshable(monkeypatch, tmp_path):
 def test_route_command_prints_the_choice_and_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path))
     _fake_measurements(monkeypatch)
-    code, out, err = _edgeq(capsys, "route", "--json")
+    code, out, err = run_cli(["route", "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)
     assert data["choice"] == "w4a16-g128" and data["schemes"][1]["decode_path"] == "w4a8_portable"
-    code, out, err = _edgeq(capsys, "route")
+    code, out, err = run_cli(["route"], capsys)
     assert code == 0 and "fastest here: w4a16-g128" in out and "w4a8_portable" in out
-    code, out, err = _edgeq(capsys, "route", "--refresh", "--passes", "2")
+    code, out, err = run_cli(["route", "--refresh", "--passes", "2"], capsys)
     assert code == 2 and out == "" and err.startswith("error: --passes 2: need at least 3")
-
-
-def _edgeq(capsys, *args) -> tuple[int, str, str]:
-    """``edgeq ARGS`` through the real entry point (edgeq.cli.main.main): (exit code, stdout, stderr)."""
-    from edgeq.cli.main import main
-
-    with pytest.raises(SystemExit) as e:
-        main(list(args))
-    cap = capsys.readouterr()
-    return e.value.code, cap.out, cap.err

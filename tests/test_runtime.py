@@ -18,7 +18,8 @@ import torch
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import LayoutRepackWarning, SamplingParams, generate, load, parse_bytes, repack
-from edgeq.runtime.generation import Generation, encode_prompt, generate_command
+from edgeq.cli.generate import generate_command
+from edgeq.runtime.generation import Generation, encode_prompt
 from helpers.checkpoints import avx2_like_layout, prose_checkpoint, quantize, synthetic_checkpoint, write_reference
 from helpers.models import ARCHS, save_hf, tiny_model
 from helpers.paths import FIXTURE

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import w4a8 as L
+from edgeq.runtime.w4a8_compute import w4a8_linear
 from edgeq.quantize.w4a8 import dequantize_w4a8, quantize_w4a8
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.qinfo import read_checkpoint
@@ -99,7 +100,7 @@ def _load(path: Path):
 def portable_path():
     """These tests pin the portable path (its counters, notes and numbers); edgeq's native op, which the loader
     prefers, is tested bit for bit against it in tests/test_native_w4a8.py."""
-    from edgeq.runtime import native_w4a8
+    from edgeq.runtime.native import w4a8 as native_w4a8
 
     mp = pytest.MonkeyPatch()
     mp.setenv("EDGEQ_W4A8_ISA", "off")
@@ -226,7 +227,7 @@ def test_w4a8_linear_module_equals_the_portable_path_with_bias():
     counts = Counter()
     mod = w4a8linear.W4A8Linear("x", p.qweight, p.scales, p.zeros, 32, bias, counts)
     x = torch.randn(2, 3, 128, generator=g).to(torch.bfloat16)
-    want = L.w4a8_linear(x.reshape(6, 128), p.qweight, p.scales, p.zeros, 32, bias).reshape(2, 3, 64)
+    want = w4a8_linear(x.reshape(6, 128), p.qweight, p.scales, p.zeros, 32, bias).reshape(2, 3, 64)
     assert torch.equal(mod(x), want) and counts == Counter({"w4a8_portable": 1})
     assert mod.qweight is p.qweight  # not copied
 
@@ -241,7 +242,7 @@ def _fake_op(perturb: bool = False, raises: bool = False):
             raise RuntimeError("no AVX512 here")
         assert bias is None or bias.dtype == torch.float32
         g = w.shape[2] - L.COMP_BYTES >> 4
-        y = L.w4a8_linear(x, w, w_scales, w_zeros, g, bias)
+        y = w4a8_linear(x, w, w_scales, w_zeros, g, bias)
         if perturb:
             y = y.clone()
             y.view(-1)[0] = y.view(-1)[0] * 1.5 + 1
@@ -393,7 +394,7 @@ def test_inspect_reads_a_w4a8_checkpoint_without_false_problems(tiny_w4a8, tmp_p
     from edgeq.inspect.report import inspect_checkpoint
 
     r = inspect_checkpoint(tiny_w4a8, verify=True)
-    from edgeq.convert.pipeline import tokenizer_problem
+    from edgeq.convert.records import tokenizer_problem
 
     # the tiny model has no tokenizer files (a true problem: generate cannot encode text); nothing else is wrong
     assert r.kind == "edgeq" and r.problems == (tokenizer_problem(tiny_w4a8),) and r.warnings == ()

@@ -13,7 +13,7 @@ def run_cli(args, capsys):
     """``edgeq *args`` through ``edgeq.cli.main.main`` (sys.argv as the console script sets it) -> (exit code,
     stdout, stderr). Callers assert on the exit code and the output, never on an exception type."""
     old = sys.argv
-    sys.argv = ["edgeq", *args]
+    sys.argv = ["edgeq", *map(str, args)]
     try:
         with pytest.raises(SystemExit) as e:
             cli.main()
