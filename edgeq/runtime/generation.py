@@ -283,14 +283,6 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
     return g.result
 
 
-def generate_command(*args, **kwargs) -> None:
-    """Alias to sweep: ``edgeq generate`` is :func:`edgeq.cli.generate.generate_command` (tests/test_runtime.py still
-    imports it from here). An upward import until the sweep removes this function."""
-    from edgeq.cli.generate import generate_command as command  # noqa: PLC0415
-
-    command(*args, **kwargs)
-
-
 def describe_paths(s) -> str:
     """``w4a16-g128, decode native_decode, prefill dequant_prefill (M >= 16)`` from RuntimeSettings; a bf16 model
     has no crossover, so none is printed."""

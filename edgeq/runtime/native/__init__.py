@@ -6,8 +6,7 @@
 - :mod:`.ops`: the small decode ops in the same library (``decode_attn``, ``add_rms_norm``, ``rope_to_cache``);
 - :mod:`.w4a8`: the W4A8 kernel ``w4a8_mm`` (its own library and namespace);
 - :mod:`.command`: both kernels' status, :func:`~edgeq.runtime.native.command.kernels_status` (``edgeq native``
-  prints it: edgeq/cli/native.py). ``native_command`` here is an alias to sweep (tests/test_native.py calls
-  ``native.native_command``); the command is :func:`edgeq.cli.native.native_command`.
+  prints it: edgeq/cli/native.py).
 
 This package's own names are the W4A16 library's (what the runtime passes around as "the native kernel")::
 
@@ -17,7 +16,6 @@ This package's own names are the W4A16 library's (what the runtime passes around
 """
 
 from edgeq.runtime.native.build import ENV_CACHE, build_or_load, cache_dir, isa_request, source_key
-from edgeq.runtime.native.command import native_command
 from edgeq.runtime.native.ops import add_rms_norm, decode_attn, rope_to_cache
 from edgeq.runtime.native.w4a16 import (
     ADJACENT,
@@ -38,6 +36,6 @@ from edgeq.runtime.native.w4a16 import (
 
 __all__ = [
     "ADJACENT", "BLOCK_NS", "ENV_CACHE", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "available", "build_key",
-    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "native_command", "plan",
+    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan",
     "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

@@ -19,10 +19,3 @@ def kernels_status() -> dict:
     w4a8.available()  # builds it if needed; an invalid EDGEQ_W4A8_ISA raises (exit 2)
     return {**st, "w4a8": w4a8.status()}
 
-
-def native_command(as_json: bool = False) -> None:
-    """Alias to sweep: ``edgeq native`` is :func:`edgeq.cli.native.native_command` (tests/test_native.py still calls
-    it here). An upward import until the sweep removes this function."""
-    from edgeq.cli.native import native_command as command  # noqa: PLC0415
-
-    command(as_json)
