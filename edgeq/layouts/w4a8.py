@@ -34,7 +34,6 @@ vllm-project/vllm csrc/cpu/sgl-kernels/gemm_int4.cpp.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import sys
 from dataclasses import dataclass
@@ -385,12 +384,3 @@ class _W4A8:
 
 
 LAYOUT = _W4A8()
-
-
-# Alias to sweep: the portable path moved to edgeq.runtime.w4a8_compute (compute is the runtime's; this module is
-# bytes). tests/test_w4a8_e2e.py still reaches w4a8_linear here, resolved on first use; remove once it imports
-# edgeq.runtime.w4a8_compute.
-def __getattr__(name: str):
-    if name == "w4a8_linear":
-        return importlib.import_module("edgeq.runtime.w4a8_compute").w4a8_linear
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
