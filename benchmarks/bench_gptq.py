@@ -8,7 +8,7 @@ the CLI's defaults: GPTQ calibrates on the bundled calib-prose.txt, 128 x 512 to
 so its wall time and its peak resident memory (the child's ru_maxrss, from wait4) are the conversion's own. Arms are
 interleaved and their order rotates from pass to pass; the table shows the median and the range over passes.
 Fidelity is measured once per arm (conversion is deterministic; the passes' shard hashes are compared to show it)
-with `edgeq.fidelity.core.compare` against the bf16 model, both loaded with `edgeq.runtime.load` (the act-order arm
+with `edgeq.fidelity.compare` against the bf16 model, both loaded with `edgeq.runtime.load` (the act-order arm
 exercises the runtime's input permutation), on the bundled held-out text (disjoint from the calibration text).
 
 Output: a markdown table on stdout with machine, threads, torch and date; progress on stderr; --json for raw data.
