@@ -35,7 +35,6 @@ from typing import Optional
 
 from edgeq.bench.conversion import run_convert
 from edgeq.bench.gguf_arm import default_context, llama_cpp_available
-from edgeq.bench.process import worker_env  # noqa: F401 - alias to sweep: tests/test_omp_policy.py imports it from here
 from edgeq.bench.records import Arm, BenchConfig, BenchReport, ConvertBench
 from edgeq.bench.schedule import run_bench
 from edgeq.errors import EdgeqError

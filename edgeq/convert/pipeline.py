@@ -52,8 +52,8 @@ from edgeq.scheme import Scheme
 DEFAULT_SHARD_BYTES = 2 << 30
 
 # what callers outside edgeq/convert/ import from here: convert and prepare; tests also import GPTQOptions (their
-# option type, edgeq/convert/calibrated.py), tokenizer_problem (records.py) and verify_written (verify.py) from here
-__all__ = ["ConvertReport", "GPTQOptions", "convert", "prepare", "tokenizer_problem", "verify_written"]
+# option type, defined in edgeq/convert/calibrated.py) from here
+__all__ = ["ConvertReport", "GPTQOptions", "convert", "prepare"]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -48,13 +47,6 @@ class MappedFiles:
             header = parse_header(shard)
             add_tensors(self.tensors, header.tensors)
             _check_size(header)
-
-    @property
-    def infos(self) -> dict[str, SimpleNamespace]:
-        """The runtime's former view of :attr:`tensors` (``file``, ``offset``, torch ``dtype``, ``shape``,
-        ``nbytes``). Alias to sweep: only tests/test_faults_load.py still reads it; edgeq uses :attr:`tensors`."""
-        return {n: SimpleNamespace(name=n, file=t.file, dtype=t.torch_dtype, shape=t.shape, offset=t.start, nbytes=t.nbytes)
-                for n, t in self.tensors.items()}
 
     def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:
