@@ -49,7 +49,7 @@ from edgeq.errors import EdgeqError
 BF16_BYTES = 2
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 SCRATCH_BYTES_PER_ELEM = 3  # edgeq.runtime.qlinear.Scratch: a bf16 and a uint8 buffer of the same length
-SCRATCH_TARGET_ELEMS = 1 << 22  # edgeq.runtime.qlinear.SCRATCH_TARGET_ELEMS: ~4M weights per dequantised block
+SCRATCH_TARGET_ELEMS = 1 << 22  # ~4M weights per dequantised block of the runtime's prefill scratch
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from edgeq.convert.recipe import find_recipe
 from edgeq.io.safetensors import read_header
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
-from edgeq.memory import SCRATCH_BYTES_PER_ELEM, SCRATCH_TARGET_ELEMS, KVGeometry, kv_geometry, project, rows_per_block, scratch
+from edgeq.memory import SCRATCH_BYTES_PER_ELEM, KVGeometry, kv_geometry, project, rows_per_block, scratch
 from edgeq.memory import Tensor as MemTensor
 from edgeq.inspect.report import inspect_checkpoint, render
 from edgeq.scheme import Scheme
@@ -125,9 +125,7 @@ def test_memory_formula_worked_example():
     from edgeq.runtime import qlinear
 
     assert qlinear.Scratch(10).nbytes == 10 * SCRATCH_BYTES_PER_ELEM
-    assert qlinear.SCRATCH_TARGET_ELEMS == SCRATCH_TARGET_ELEMS
-    for n, k, b in [(256, 768, 64), (14336, 4096, 64), (151936, 1536, 32), (4096, 256, 64), (16, 32, 64), (80, 40000, 64)]:
-        assert rows_per_block(n, k, b) == qlinear.rows_per_block(n, k, b), (n, k, b)
+    assert qlinear.rows_per_block is rows_per_block  # the runtime blocks its scratch by the projection's own rule
 
 
 @pytest.mark.slow
@@ -135,6 +133,9 @@ def test_projection_equals_what_the_runtime_allocates(edgeq_ckpt, monkeypatch):
     """The projection against edgeq.runtime.load's own read-back of what it built (KV cache, scratch, mapped)."""
     monkeypatch.setenv("EDGEQ_NATIVE_ISA", "off")  # memory does not depend on the decode kernel; skip its build
     from edgeq.runtime import load
+    from edgeq.runtime.native import w4a16
+
+    monkeypatch.setattr(w4a16, "_state", None)  # read the variable now; the process's kernel state comes back after
 
     model = load(edgeq_ckpt, max_model_len=300, kv_cache_bytes=1 << 20, prefill_threshold=32)
     s = model.settings

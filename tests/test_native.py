@@ -21,6 +21,7 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
+from edgeq import env
 from edgeq.cli.native import native_command
 from edgeq.runtime import native
 from edgeq.runtime.native import w4a16
@@ -212,7 +213,7 @@ def children(ready, tmp_path_factory):
     """Fresh processes, run in parallel (each imports torch): one per ISA the CPU has, forced by EDGEQ_NATIVE_ISA,
     and one whose compiler does not exist (empty cache directory, CXX pointing nowhere)."""
     jobs = {isa: ({native.ENV_ISA: isa}, _CHILD.format(tests=os.path.dirname(__file__))) for isa in ready["cpu_isas"]}
-    nocxx = {"CXX": "/nonexistent/g++", native.ENV_CACHE: str(tmp_path_factory.mktemp("nocxx-cache"))}
+    nocxx = {"CXX": "/nonexistent/g++", env.CACHE_DIR: str(tmp_path_factory.mktemp("nocxx-cache"))}
     jobs["no-compiler"] = (nocxx, _NO_COMPILER_CHILD)
     procs = {}
     for key, (env, code) in jobs.items():
@@ -313,7 +314,7 @@ def test_one_build_per_process(fresh_state, tmp_path, ready):
     """The build key is stable after a build (cpp_extension must not have mutated our flags), and re-loading with
     another cache directory reuses the loaded library: a second TORCH_LIBRARY(edgeq) would abort the process."""
     assert native.build_key()[:16] in ready["library"]
-    fresh_state.setenv(native.ENV_CACHE, str(tmp_path))
+    fresh_state.setenv(env.CACHE_DIR, str(tmp_path))
     assert native.available() and native.status()["library"] == ready["library"]
     assert not any(tmp_path.iterdir())
 

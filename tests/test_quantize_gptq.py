@@ -542,7 +542,8 @@ def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float,
 
 
 def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):
-    from edgeq.convert.pipeline import GPTQOptions, convert
+    from edgeq.convert.calibrated import GPTQOptions
+    from edgeq.convert.pipeline import convert
 
     src, calib = tiny_float
     opts = GPTQOptions(calib=str(calib), nsamples=2, seqlen=32)

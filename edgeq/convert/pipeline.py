@@ -51,9 +51,8 @@ from edgeq.scheme import Scheme
 
 DEFAULT_SHARD_BYTES = 2 << 30
 
-# what callers outside edgeq/convert/ import from here: convert and prepare; tests also import GPTQOptions (their
-# option type, defined in edgeq/convert/calibrated.py) from here
-__all__ = ["ConvertReport", "GPTQOptions", "convert", "prepare"]
+# what callers outside edgeq/convert/ import from here (GPTQOptions lives in edgeq/convert/calibrated.py)
+__all__ = ["ConvertReport", "convert", "prepare"]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from edgeq.runtime.sizes import format_bytes
 from edgeq.runtime.swap import SwapResult, packed_shape_error
 
 # The block rule lives in edgeq.memory so that inspect's projection and the runtime cannot disagree.
-from edgeq.memory import SCRATCH_TARGET_ELEMS, rows_per_block  # noqa: E402,F401
+from edgeq.memory import rows_per_block  # noqa: E402
 
 
 def _native():

@@ -15,7 +15,7 @@ This package's own names are the W4A16 library's (what the runtime passes around
     y = native.int4_mm(x, qweight, 128, scales_and_zeros)
 """
 
-from edgeq.runtime.native.build import ENV_CACHE, build_or_load, cache_dir, isa_request, source_key
+from edgeq.runtime.native.build import build_or_load, cache_dir, isa_request, source_key
 from edgeq.runtime.native.ops import add_rms_norm, decode_attn, rope_to_cache
 from edgeq.runtime.native.w4a16 import (
     ADJACENT,
@@ -35,7 +35,7 @@ from edgeq.runtime.native.w4a16 import (
 )
 
 __all__ = [
-    "ADJACENT", "BLOCK_NS", "ENV_CACHE", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "available", "build_key",
+    "ADJACENT", "BLOCK_NS", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "available", "build_key",
     "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan",
     "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

@@ -32,10 +32,9 @@ from typing import Callable
 import torch
 
 from edgeq import env
-from edgeq.env import CACHE_DIR, cache_dir as _cache_dir
+from edgeq.env import cache_dir as _cache_dir
 from edgeq.errors import EdgeqError
 
-ENV_CACHE = CACHE_DIR
 CSRC = Path(__file__).resolve().parents[2] / "csrc"  # edgeq/csrc
 
 LOCK = threading.Lock()  # held while a kernel loads its state
