@@ -211,6 +211,7 @@ def _run_here(checkpoint: Path, tmp_path: Path, **spec) -> dict:
         torch.set_num_threads(threads)  # the pass sets this process's threads; give them back
 
 
+@pytest.mark.slow
 def test_path_counters_count(quantized, tmp_path):
     # A prompt at or above the crossover goes through dequant+GEMM; the head (logits_to_keep=1) and every decode
     # step through the int4 kernel, one call per quantised Linear per step.
@@ -265,6 +266,7 @@ def test_prompt_ids_are_the_same_for_every_arm():
 # ------------------------------------------------------------------------------------------- real workers
 
 
+@pytest.mark.slow
 def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(quantized, broken)
@@ -277,6 +279,7 @@ def test_failing_worker_gives_no_comparison_and_exit_1(quantized, tmp_path, caps
     assert "A vs B" not in output and "decode tok/s" not in output
 
 
+@pytest.mark.slow
 def test_ledger_sums_to_measured_total(quantized, tmp_path):
     # A context of 32768 tokens makes the KV cache 64 MiB (2048 bytes a token): allocated, whatever of it is touched.
     ckpt = tmp_path / "long"
@@ -310,6 +313,7 @@ def test_ledger_sums_to_measured_total(quantized, tmp_path):
     assert rows["weight copies (anon)"]["measured"] == 0
 
 
+@pytest.mark.slow
 def test_convert_mode_measures_a_child(tmp_path):
     r = bench.run_convert(str(FIXTURE), "w4a16-g128", "minmax", passes=1, workdir=tmp_path)
     assert r.failures == ()

@@ -149,6 +149,7 @@ def test_generate_streams_text_and_bf16_names_no_crossover(capsys):
     assert code == 0 and out2 == out and err == ""  # greedy: the same text; -q: nothing on stderr
 
 
+@pytest.mark.slow
 def test_serve_json_startup_line(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "serve", str(FIXTURE), "--host", "127.0.0.1",

@@ -131,6 +131,7 @@ def test_verify_refuses_what_it_cannot_check(prose, tmp_path):
 # -------------------------------------------------------------------------------------------- generation: NaN/Inf
 
 
+@pytest.mark.slow
 def test_head_scales_at_the_bf16_maximum_stop_generation_naming_the_head(prose, tmp_path):
     """Finite scales (the load check passes) whose products overflow: the first logits are +-inf. Before this
     check, greedy argmax over them streamed token 0 (empty text) with exit 0."""
@@ -206,6 +207,7 @@ def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, tmp_pat
 # ------------------------------------------------------------------------------------------------------- log lines
 
 
+@pytest.mark.slow
 def test_the_repack_warning_is_one_message_without_source_paths(prose, tmp_path):
     foreign = tmp_path / "foreign"
     # 16-row blocks of adjacent rows: valid bytes, and no machine's own layout (so load repacks on every machine)

@@ -193,6 +193,7 @@ def test_non_streaming_client_that_leaves_cancels_its_generation(served, monkeyp
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_a_waiting_client_that_leaves_costs_no_prefill(served, monkeypatch):
     url, lm, app = served
     prefills, forward = [], lm.forward

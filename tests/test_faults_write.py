@@ -99,6 +99,7 @@ def _start_and_freeze(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
     raise AssertionError("the child never started writing")
 
 
+@pytest.mark.slow
 def test_sigterm_mid_write_removes_the_temporary_directory(tmp_path):
     src = tmp_path / "m"
     shutil.copytree(TINY_PROSE, src)
@@ -113,6 +114,7 @@ def test_sigterm_mid_write_removes_the_temporary_directory(tmp_path):
     assert dir_digest(src) == before
 
 
+@pytest.mark.slow
 def test_sigkill_leftover_is_removed_by_the_next_run(tmp_path, capsys):
     src = tmp_path / "m"
     shutil.copytree(TINY_PROSE, src)
@@ -229,6 +231,7 @@ def test_missing_tokenizer_is_a_warning_at_quantize_and_a_problem_in_inspect(mod
     assert not any("tokenizer" in p for p in inspect_checkpoint(tmp_path / "out2").problems)
 
 
+@pytest.mark.slow
 def test_summary_line_names_the_layout_forced_by_aten_cpu_capability(model, tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     r = subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(model), "-o", str(tmp_path / "out"), "-q"],

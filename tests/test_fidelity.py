@@ -234,6 +234,7 @@ def test_scores_exactly_the_second_half_of_each_window():
     assert rep_all.tokens_scored == 10 and rep_all.windows == 2
 
 
+@pytest.mark.slow
 def test_streams_one_window_at_a_time():
     """No full-vocabulary logits of an earlier window survive into the next window's forward passes."""
     alive: list[weakref.ref] = []
@@ -765,7 +766,6 @@ def test_transformers_llama_with_the_bundled_tokenizer_and_text():
 
 
 # ------------------------------------------------------------------------------------------------- the runtime
-@pytest.mark.slow
 def test_end_to_end_on_the_bundled_model(fixture_model, fixture_quantized, tmp_path):
     """edgeq.runtime.load on both sides: the bf16 reference against itself and against its w4a16-g128 checkpoint."""
     same = run_fidelity(fixture_model, fixture_model, ctx=128, max_tokens=63)

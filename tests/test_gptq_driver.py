@@ -73,7 +73,6 @@ def test_calibration_windows():
         calibration_windows(MODEL, "a short text", nsamples=1, seqlen=4096)
 
 
-@pytest.mark.slow
 def test_yields_every_linear_then_the_head(run):
     results, calls, hessians = run
     assert [n for n, _ in results] == ALL + ["lm_head"]
@@ -95,7 +94,6 @@ def test_yields_every_linear_then_the_head(run):
         assert torch.equal(res[p + "mlp.gate_proj"].perm, res[p + "mlp.up_proj"].perm)
 
 
-@pytest.mark.slow
 def test_hessians_come_from_quantised_predecessors(run, windows):
     """Layer 0's first input is the embedding (no quantisation before it): its Hessian equals the float model's.
     Every later one is computed behind quantised weights (act-order: un-permuted before they are used) and differs
@@ -107,7 +105,6 @@ def test_hessians_come_from_quantised_predecessors(run, windows):
         assert 2e-3 < rel(hessians[name], ref[name]) < 0.2, name
 
 
-@pytest.mark.slow
 def test_float_run_reproduces_the_model(windows, monkeypatch):
     """With every decoder Linear kept in float, the head's Hessian is the float model's: the driver's own layer
     plumbing (embedding rows, causal mask, rotary, norm) matches transformers' forward. And one layer at a time is

@@ -171,6 +171,7 @@ def test_hub_errors_name_their_cause():
     assert "no revision 'v9'" in hub.explain(raised(errors.RevisionNotFoundError), "v9")
 
 
+@pytest.mark.slow
 def test_environment_variables_in_a_fresh_process(cache, tmp_path):
     """The documented way: HF_HUB_CACHE and HF_HUB_OFFLINE in the environment of the real command."""
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}

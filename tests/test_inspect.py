@@ -128,7 +128,6 @@ def test_memory_formula_worked_example():
     assert qlinear.rows_per_block is rows_per_block  # the runtime blocks its scratch by the projection's own rule
 
 
-@pytest.mark.slow
 def test_projection_equals_what_the_runtime_allocates(edgeq_ckpt, monkeypatch):
     """The projection against edgeq.runtime.load's own read-back of what it built (KV cache, scratch, mapped)."""
     monkeypatch.setenv("EDGEQ_NATIVE_ISA", "off")  # memory does not depend on the decode kernel; skip its build

@@ -109,6 +109,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("cap,block_n,interleaved", [("avx2", 32, True), ("default", 32, False)])
+@pytest.mark.slow
 def test_other_isas_in_subprocess(cap, block_n, interleaved):
     env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": cap}
     res = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)

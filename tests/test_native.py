@@ -216,8 +216,8 @@ def children(ready, tmp_path_factory):
     nocxx = {"CXX": "/nonexistent/g++", env.CACHE_DIR: str(tmp_path_factory.mktemp("nocxx-cache"))}
     jobs["no-compiler"] = (nocxx, _NO_COMPILER_CHILD)
     procs = {}
-    for key, (env, code) in jobs.items():
-        procs[key] = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
+    for key, (extra, code) in jobs.items():
+        procs[key] = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **extra},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
     for key, p in procs.items():

@@ -180,6 +180,7 @@ def test_foreign_layout_is_repacked_with_warning_or_refused(ckpts, tmp_path):
 
 
 @pytest.mark.skipif(tinygemm.probe().block_n == 32, reason="this machine already packs in 32-row blocks")
+@pytest.mark.slow
 def test_checkpoint_packed_under_avx2_elsewhere(ckpts, tmp_path):
     """Quantise in a child process that dispatches to AVX2 (another machine, as far as the layout goes)."""
     hf = save_hf(tiny_model("llama"), tmp_path / "hf")
@@ -226,6 +227,7 @@ print(json.dumps({{"before": before, "loaded": loaded, "after": after, "kv": lm.
 """
 
 
+@pytest.mark.slow
 def test_packed_bytes_are_mapped_not_copied(tmp_path):
     sizes = synthetic_checkpoint(tmp_path / "syn")  # ~106 MB packed with scales, 34 MB of bf16 embedding
     kv = 16 << 20
@@ -408,3 +410,33 @@ def test_prefill_dequant_is_exact_for_every_layout_kind(layout_fn):
     x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
     assert rel_err(lin(x), torch.nn.functional.linear(x, w, bias)) <= PREFILL_TOL
     assert rt.counts["dequant_prefill"] == 1
+
+
+def _linear_times(kernel, dequant, calls=None):
+    """A timing model for crossover.solve: t(M) = a + b * M per path, optionally with a per-path override."""
+    def time_at(path, m):
+        if calls is not None:
+            calls.append((path, m))
+        a, b = kernel if path == "kernel" else dequant
+        return a(m) if callable(a) else a + b * m
+    return time_at
+
+
+def test_crossover_solve_meets_the_lines_and_checks_an_extrapolation():
+    from edgeq.runtime import crossover
+
+    # the docstring's worked example: lines meet at 22.5 -> 22, inside the timed range, so no check is made
+    calls = []
+    assert crossover.solve(_linear_times((0.10, 0.050), (1.00, 0.010), calls)) == 22
+    assert {m for _, m in calls} == {crossover.M_SMALL, crossover.M_LARGE}
+    # the kernel is never slower per row: it is used up to the probe's ceiling
+    assert crossover.solve(_linear_times((0.10, 0.010), (1.00, 0.010))) == crossover.HIGH
+    # lines meet at 450 (beyond M_LARGE = 64), but the kernel's per-row cost falls at large M (it tiles x): it still
+    # wins at 450 (4.24 vs 6.17 ms), not at 900 (8.29 vs 7.97), so the crossover is 900, every claim beyond M_LARGE timed
+    kernel = (lambda m: 0.0 + 0.012 * m if m <= 64 else 0.768 + 0.009 * (m - 64), None)
+    dequant = (lambda m: 4.5 + 0.002 * m if m <= 64 else 4.628 + 0.004 * (m - 64), None)
+    calls = []
+    assert crossover.solve(_linear_times(kernel, dequant, calls)) == 900
+    assert {m for _, m in calls} == {8, 64, 450, 900}
+    # where the dequant path really wins at the extrapolated M, the line estimate stands
+    assert crossover.solve(_linear_times((0.0, 0.012), (4.5, 0.002))) == 450

@@ -8,6 +8,8 @@ import ast
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -64,6 +66,7 @@ def test_no_module_under_tests_imports_a_test_module():
     assert not bad, "import shared code from tests/helpers/ instead:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_the_walk_sees_imports_everywhere():
     """Not vacuous: the walk finds the helper imports, including ones only in a child process's source string."""
     trees = [ast.parse(p.read_text()) for p in _files() if p.name != Path(__file__).name]  # not the planted ones

@@ -175,6 +175,7 @@ def test_registration_failure_is_one_warning(monkeypatch):
     assert len(msgs) == 1 and "Use edgeq.runtime.load(path) instead" in msgs[0] and "already registered" in msgs[0]
 
 
+@pytest.mark.slow
 def test_import_edgeq_is_cheap_and_registers_in_either_order():
     r = _run("import sys, edgeq; assert 'transformers' not in sys.modules, 'import edgeq imported transformers'\n"
              "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; print(m['edgeq'].__name__)")
@@ -188,6 +189,7 @@ def test_import_edgeq_is_cheap_and_registers_in_either_order():
     assert r.returncode == 0 and r.stdout.strip() == "EdgeqHfQuantizer", r.stderr
 
 
+@pytest.mark.slow
 def test_without_import_edgeq_transformers_skips_the_quantization(checkpoints):
     """What the docs and the model card warn about: transformers alone cannot load an edgeq checkpoint."""
     code = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
