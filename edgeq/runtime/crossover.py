@@ -2,7 +2,10 @@
 
 The kernel's time grows with M (it re-dequantises every weight for every row block of x); the dequant path pays
 one dequantisation per call plus a bf16 GEMM that is cheap per row. Both are modelled as ``t(M) = a + b * M`` from
-two timed sizes (median of 3 each), and the crossover is where the lines meet, clamped to [2, 1024]. The result is
+two timed sizes (median of 3 each), and the crossover is where the lines meet, clamped to [2, 1024]. A crossover
+beyond the larger timed size is an extrapolation, and the kernel's cost per row falls as M grows (it tiles x), so
+it is checked where it is claimed: both paths are timed at that M, and while the kernel still wins there M doubles
+(measured on a Zen 4, Qwen2.5-1.5B's 8960 x 1536: the lines met at 444, where the kernel was still faster). The result is
 cached per machine and shape class in ``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``)/crossover.json, keyed by
 torch version, CPU capability, thread count, kernel path and (N, K, G) of the probed layer.
 """
@@ -30,8 +33,11 @@ def cache_capability() -> str:
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
+KEY_VERSION = "v2"  # v2: extrapolated crossovers are checked (v1 entries, never checked, are measured again)
+
+
 def _key(layer, path: str) -> str:
-    return "|".join([torch.__version__, cache_capability(), f"threads={torch.get_num_threads()}", path,
+    return "|".join([KEY_VERSION, torch.__version__, cache_capability(), f"threads={torch.get_num_threads()}", path,
                      f"N={layer.out_features}", f"K={layer.in_features}", f"G={layer.group_size}"])
 
 
@@ -45,24 +51,33 @@ def _time(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(layer) -> int:
-    """Time both paths of one Int4Linear at M_SMALL and M_LARGE; return the crossover M.
+def solve(time_at) -> int:
+    """The crossover M from ``time_at(path, M) -> seconds`` (path "kernel" or "dequant"): where the two lines through
+    M_SMALL and M_LARGE meet, then, if that is beyond M_LARGE, doubled while the kernel is still faster there.
 
     E.g. kernel 0.10 ms + 0.050 ms/row, dequant path 1.00 ms + 0.010 ms/row: the lines meet at
-    M = (1.00 - 0.10) / (0.050 - 0.010) = 22.5, rounded to 22 (then clamped to [2, 1024])."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(M_LARGE, layer.in_features, generator=gen).to(torch.bfloat16)
+    M = (1.00 - 0.10) / (0.050 - 0.010) = 22.5, rounded to 22 (then clamped to [2, 1024]); had they met at 444 with
+    the kernel still faster at M = 444 but not at 888, the answer would be 888."""
     lines = []
-    for fn in (layer.forward_kernel, layer.forward_dequant):
-        t_small = _time(lambda: fn(x[:M_SMALL].contiguous()))
-        t_large = _time(lambda: fn(x))
+    for path in ("kernel", "dequant"):
+        t_small, t_large = time_at(path, M_SMALL), time_at(path, M_LARGE)
         slope = max((t_large - t_small) / (M_LARGE - M_SMALL), 1e-12)
         lines.append((t_small - slope * M_SMALL, slope))
     (ka, kb), (da, db) = lines
     if kb <= db:  # the kernel is never slower per row: use it everywhere the probe can see
         return HIGH
-    m = (da - ka) / (kb - db)
-    return int(min(HIGH, max(LOW, round(m))))
+    m = int(min(HIGH, max(LOW, round((da - ka) / (kb - db)))))
+    while M_LARGE < m < HIGH and time_at("kernel", m) < time_at("dequant", m):
+        m = min(HIGH, 2 * m)
+    return m
+
+
+def measure(layer) -> int:
+    """Time both paths of one Int4Linear (:func:`solve`); return the crossover M."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(HIGH, layer.in_features, generator=gen).to(torch.bfloat16)
+    paths = {"kernel": layer.forward_kernel, "dequant": layer.forward_dequant}
+    return solve(lambda path, m: _time(lambda: paths[path](x[:m].contiguous())))
 
 
 def crossover(layer, path: str) -> tuple[int, str]:
