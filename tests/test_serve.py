@@ -154,3 +154,33 @@ def test_stream_disconnect_frees_the_server(server):
         time.sleep(0.05)
     r = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_serve_loads_the_model_on_the_thread_that_generates(monkeypatch):
+    """Torch work from a second OS thread gives it its own OpenMP team, which slowed decode by a third (docs/vllm.md):
+    serve_command loads on the engine's one worker thread, and the engine generates on that same thread."""
+    import threading
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    import edgeq.runtime.loader as loader
+    from edgeq.runtime.serve import command
+
+    seen = {}
+
+    def fake_load(path, **kw):
+        seen["load"] = threading.current_thread()
+        return SimpleNamespace(path=Path(path))
+
+    def fake_app(lm, *, pool, **kw):
+        seen["generate"] = pool.submit(threading.current_thread).result()
+        return object()
+
+    monkeypatch.setattr(loader, "load", fake_load)
+    monkeypatch.setattr(command, "create_app", fake_app)
+    monkeypatch.setattr(command, "startup_record", lambda lm, host, port, name: {"port": port})
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    command.serve_command("ckpt", port=0)
+    assert seen["load"] is seen["generate"] and seen["load"] is not threading.main_thread()

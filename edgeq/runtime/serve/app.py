@@ -13,14 +13,15 @@ from edgeq.runtime.serve.handlers import Handlers
 from edgeq.runtime.sizes import parse_bytes
 
 
-def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, model_name: str | None = None) -> FastAPI:
+def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, model_name: str | None = None,
+               pool=None) -> FastAPI:
     """The FastAPI app for a loaded model (``edgeq.runtime.load``); a model without a tokenizer is refused here,
     before serving, rather than with an error on every request."""
     if lm.tokenizer is None:
         raise EdgeqError(f"{lm.path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); the server "
                          f"needs them to read prompts and write text: copy them from the source model")
     limit = parse_bytes(max_body_bytes, "max_body_bytes")
-    engine = Engine(lm, queue_size)
+    engine = Engine(lm, queue_size, pool)  # pool: the thread the model was loaded on (engine.worker)
     handlers = Handlers(lm, model_name or lm.path.name, engine, limit)
     app = FastAPI(title="edgeq", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Contain)

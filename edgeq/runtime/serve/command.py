@@ -6,6 +6,7 @@ from typing import Callable
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime.serve.app import create_app
+from edgeq.runtime.serve.engine import worker
 
 
 def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
@@ -23,8 +24,14 @@ def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_mode
 
     if queue_size < 0:
         raise EdgeqError(f"queue_size={queue_size}: must be >= 0")
-    lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads)
-    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name)
+    pool = worker()  # load on the thread that will generate: one OpenMP team (engine.worker says why)
+    try:
+        lm = pool.submit(load, path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                         strict_layout=strict_layout, threads=threads).result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name, pool=pool)
     sock = _listen(host, port)
     record = startup_record(lm, host, sock.getsockname()[1], model_name or lm.path.name)
     if announce is not None:

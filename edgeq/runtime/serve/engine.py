@@ -16,13 +16,20 @@ from edgeq.runtime.generation import Generation
 from edgeq.runtime.serve.errors import busy, generation_error
 
 
+def worker() -> ThreadPoolExecutor:
+    """The one thread that runs the model. Load on it too (:func:`edgeq.runtime.serve.command.serve_command`): torch
+    work from a second OS thread gives that thread its own OpenMP team, and with both teams alive decode slowed from
+    27-28 to 17-18 tok/s (Qwen2.5-1.5B shape, 2 threads, Zen 4; docs/vllm.md)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeq-generate")
+
+
 class Engine:
     """Runs jobs one at a time on one worker thread; at most ``queue_size`` wait behind the running one."""
 
-    def __init__(self, lm, queue_size: int):
+    def __init__(self, lm, queue_size: int, pool: ThreadPoolExecutor | None = None):
         self.lm = lm
         self.queue_size = queue_size
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeq-generate")
+        self._pool = pool or worker()
         self._lock = threading.Lock()
         self.pending = 0  # running + waiting
         self.running = 0
