@@ -1,18 +1,17 @@
-"""What this CPU can do, read once: ``/proc/cpuinfo``'s model name and flags, and torch's dispatch capability.
+"""What this CPU can do, read once: ``/proc/cpuinfo``'s model name and flags.
 
-Every question about the machine's ISA goes through here (the router's device class, the W4A8 backend choice, the
-bench's machine record, the tinygemm layout's fingerprint). Two exceptions, each with its reason: the native
-kernels ask their own compiled ``cpu_features`` op (CPUID plus the Linux AMX permission, which no file shows), and
-``ATEN_CPU_CAPABILITY`` reaches :func:`capability` through torch, which honours it.
+Questions about the machine's ISA flags go through here (the router's device class, the W4A8 backend choice, the
+bench's machine record). Not here, each for its reason: the native kernels ask their own compiled ``cpu_features``
+op (CPUID plus the Linux AMX permission, which no file shows), and torch's dispatch capability is asked of torch
+(``torch.backends.cpu.get_cpu_capability()``, which applies ``ATEN_CPU_CAPABILITY`` itself).
 
     >>> from edgeq import cpu
-    >>> "avx2" in cpu.flags(), cpu.capability()          # on a Zen 4
-    (True, 'AVX512')
+    >>> "avx2" in cpu.flags(), cpu.has_vnni()            # on a Zen 4
+    (True, True)
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -58,11 +57,3 @@ def flags() -> frozenset[str]:
 def has_vnni() -> bool:
     """AVX512-VNNI or AMX-INT8: where ``torch._int_mm`` runs on integer dot-product units through oneDNN."""
     return bool({"avx512_vnni", "amx_int8"} & flags())
-
-
-def capability() -> str:
-    """The ISA torch dispatches its kernels to, as torch spells it (``AVX512``, ``AVX2``, ``DEFAULT``): torch reads
-    ``$ATEN_CPU_CAPABILITY`` itself at start-up (ignoring a value it does not know), so this is what really runs."""
-    import torch  # noqa: PLC0415 (importing edgeq.cpu must stay cheap)
-
-    return torch.backends.cpu.get_cpu_capability()

@@ -44,7 +44,7 @@ def _direct_convert(src: Path, out: Path, scheme: Scheme, method: str) -> None:
     plan = build_plan(ckpt, Scheme.parse(f"w4a16-g{scheme.group_size}"), method, recipe)  # roles and actions
     plan.check()
     out.mkdir(parents=True)
-    outs = {e.name: (cw.out_tensors(e.module, *e.shape, scheme) if e.action == "quantize" else [(e.name, "BF16", e.shape)])
+    outs = {e.name: (L.LAYOUT.out_tensors(e.module, *e.shape, scheme.group_size) if e.action == "quantize" else [(e.name, "BF16", e.shape)])
             for e in plan.entries}
     specs = [OutSpec(n, DTYPES[d][0], s) for e in plan.entries for n, d, s in outs[e.name]]
     writer = ShardedWriter(out, specs)
@@ -317,17 +317,18 @@ def test_swap_names_a_missing_tensor(tiny_w4a8):
 
 def test_plan_rules_and_options_name_the_numbers():
     from edgeq.convert import w4a8 as cw
+    from edgeq.convert.plan import weight_rule
 
     s = Scheme.parse("w4a8-g128")
-    assert cw.plan_rule((1536, 1536), "BF16", s) is None
-    assert "N=100 is not a multiple of 32" in cw.plan_rule((100, 256), "BF16", s)
-    assert "K=80 is not a multiple of 32" in cw.plan_rule((64, 80), "BF16", s)
-    assert "K=192 is not a multiple of the group size 128" in cw.plan_rule((64, 192), "F32", s)
-    assert "use w4a8-g64" in cw.plan_rule((64, 192), "F32", s)
-    assert "dtype I32" in cw.plan_rule((64, 256), "I32", s)
+    assert weight_rule((1536, 1536), "BF16", s) is None
+    assert "N=100 is not a multiple of 32" in weight_rule((100, 256), "BF16", s)
+    assert "K=80 is not a multiple of 32" in weight_rule((64, 80), "BF16", s)
+    assert "K=192 is not a multiple of the group size 128" in weight_rule((64, 192), "F32", s)
+    assert "use w4a8-g64" in weight_rule((64, 192), "F32", s)
+    assert "dtype I32" in weight_rule((64, 256), "I32", s)
     # bytes: nibbles + int32 compensation per (row, K block) + fp32 scale and int8 zero per (row, group)
-    assert cw.quantized_bytes(1536, 1536, 128) == 1536 * 768 + 4 * 1536 * 12 + 5 * 1536 * 12 == 1345536
-    assert cw.out_tensors("m", 64, 256, Scheme.parse("w4a8-g32")) == [
+    assert L.nbytes(1536, 1536, 128) == 1536 * 768 + 4 * 1536 * 12 + 5 * 1536 * 12 == 1345536
+    assert L.LAYOUT.out_tensors("m", 64, 256, 32) == [
         ("m.qweight", "U8", (2, 8, 640)), ("m.scales", "F32", (2, 8, 32)), ("m.zeros", "I8", (2, 8, 32))]
     with pytest.raises(EdgeqError, match="method 'gptq' is not available for W4A8"):
         cw.check_options(s, "gptq")
@@ -405,8 +406,8 @@ def test_inspect_reads_a_w4a8_checkpoint_without_false_problems(tiny_w4a8, tmp_p
     assert e.quantized_modules == 15 and e.head_quantized
     # bytes by hand: per module N*K/2 + 4*N*K/bk + 5*N*K/G (tiny qwen2: hidden 128, kv 2 x 32, MLP 256, vocab 256)
     shapes = [(128, 128), (64, 128), (64, 128), (128, 128), (256, 128), (256, 128), (128, 256)]
-    assert r.bytes_by_category["quantized_linears"] == 2 * sum(cw.quantized_bytes(n, k, 64) for n, k in shapes)
-    assert r.bytes_by_category["head"] == cw.quantized_bytes(256, 128, 64)
+    assert r.bytes_by_category["quantized_linears"] == 2 * sum(L.nbytes(n, k, 64) for n, k in shapes)
+    assert r.bytes_by_category["head"] == L.nbytes(256, 128, 64)
     assert r.bytes_by_category["linears_unquantized"] == 0
     assert r.effective_bits == pytest.approx(4 + 32 / 64 + 40 / 64)  # nibbles + compensation + scale/zero
     assert r.memory.anon_weights == 0 and r.memory.prefill_scratch == 0 and not r.memory.repack

@@ -32,7 +32,6 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.io.manifest import Manifest
-from edgeq.io.safetensors import FLOAT_CODES
 from edgeq.keys import Kernel
 from edgeq.layouts import w4a8 as layout
 from edgeq.quantize.w4a8 import METHODS, group_sq_error, quantize_w4a8
@@ -40,7 +39,6 @@ from edgeq.scheme import Scheme
 
 KERNEL = layout.KERNEL
 ROW_BLOCK_ELEMENTS = 4 << 20  # weights per row block, as the W4A16 pipeline: a ~100 MB fp32 working set at most
-SUFFIXES = (".qweight", ".scales", ".zeros")
 
 
 def check_options(scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
@@ -51,23 +49,6 @@ def check_options(scheme: Scheme, method: str, *, gptq_input: bool = False) -> N
     if method not in METHODS:
         raise EdgeqError(f"scheme {scheme}: method {method!r} is not available for W4A8 (valid: {', '.join(METHODS)}); "
                          "GPTQ calibration writes w4a16 only")
-
-
-def out_tensors(module: str, n: int, k: int, scheme: Scheme) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, safetensors dtype code, shape) of what one quantised Linear writes, in write order."""
-    return layout.LAYOUT.out_tensors(module, n, k, scheme.group_size)
-
-
-def quantized_bytes(n: int, k: int, group_size: int) -> int:
-    """N*K/2 nibbles + 4*N*K/bk compensation (int32 per row and K block) + 5*N*K/G (fp32 scale + int8 zero)."""
-    return layout.nbytes(n, k, group_size)
-
-
-def plan_rule(shape: tuple[int, ...], dtype: str, scheme: Scheme) -> str | None:
-    """Why a 2-D weight [N, K] cannot be quantised to this W4A8 scheme, with the numbers; None when it can."""
-    if dtype not in FLOAT_CODES:
-        return f"dtype {dtype} is not bf16/fp16/fp32 (an already-quantised or integer tensor)"
-    return layout.LAYOUT.rule(*shape, scheme.group_size)
 
 
 def row_step(n: int, k: int) -> int:
@@ -156,7 +137,7 @@ def verify_modules(directory, modules, group_size: int, found: dict) -> None:
     has qweight/scales/zeros of the W4A8 dtypes and mutually consistent shapes, and no tinygemm tensor."""
     bk = layout.block_k(group_size)
     for m in modules:
-        qw, sc, zp = (found.get(f"{m}{s}") for s in SUFFIXES)
+        qw, sc, zp = (found.get(f"{m}{s}") for s in layout.LAYOUT.suffixes)
         if qw is None or sc is None or zp is None:
             raise EdgeqError(f"{directory}: W4A8 module {m} is missing its qweight, scales or zeros")
         if f"{m}.scales_and_zeros" in found:

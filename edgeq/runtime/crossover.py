@@ -27,9 +27,8 @@ LOW, HIGH = 2, 1024
 
 def cache_capability() -> str:
     """The CPU capability as the crossover cache key spells it: ``$ATEN_CPU_CAPABILITY`` exactly as set (``avx2``),
-    else torch's spelling (``AVX512``). Not :func:`edgeq.cpu.capability` (always torch's spelling of what really
-    runs, ``AVX2`` there): caches written before that function existed are keyed by this spelling, and another one
-    would re-measure every cached crossover."""
+    else torch's spelling (``AVX512``). Not torch's value alone (which would spell the first ``AVX2``): caches are
+    keyed by this spelling, and another one would re-measure every cached crossover."""
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
