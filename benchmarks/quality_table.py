@@ -11,17 +11,31 @@ scored). "bytes" is the same sum for every arm: the quantised linears + the head
 ``token_embd``, ``output`` and ``blk.*`` attention/FFN weights; norms are left out of both).
 
 llama.cpp's side (needs ``llama_cpp`` and ``gguf``): its own ``convert_hf_to_gguf.py`` (from the llama-cpp-python
-sdist, ``vendor/llama.cpp``) writes a BF16 GGUF, ``llama_cpp.llama_model_quantize`` makes Q4_K_M / Q4_K_S / Q4_0
-(no imatrix), and each window's logits come from llama.cpp fed the very token ids edgeq scores (a scoring function
-side of ``compare``). Deterministic statistics, no timings; output: a markdown table on stdout, --json the raw reports.
+sdist, ``vendor/llama.cpp``, with its own ``gguf-py``) writes a BF16 GGUF, ``llama_cpp.llama_model_quantize`` makes
+Q4_K_M / Q4_K_S / Q4_0 (no imatrix), and each window's logits come from llama.cpp fed the very token ids edgeq scores
+(a scoring function side of ``compare``). The "BF16" row scores the converted file itself: a check of the conversion
+and of the scoring path (its KLD should be near 0), not a quantisation.
+
+The bundled tokenizer is not in the converter's list of known pre-tokenizers (it identifies one by hashing the ids of
+a probe string, ``get_vocab_base_pre``), so the first conversion stops with "BPE pre-tokenizer was not recognized".
+The script then does what llama.cpp's ``convert_hf_to_gguf_update.py`` does for a listed model: it registers that
+hash in the extracted copy with the type llama.cpp uses for this pre-tokenizer, and converts again. The type is
+"gpt-2" exactly when tokenizer.json is a byte-level BPE with GPT-2's pre-tokenizer (``ByteLevel``, ``use_regex``, no
+prefix space, no normalizer; the tokenizer.json of openai-community/gpt2, whose hash the converter maps to "gpt-2");
+anything else is refused. The weights path is untouched, and since every arm is fed edgeq's token ids the GGUF's
+tokenizer only has to load (the run also checks it tokenises the held-out text to the same ids, see --json).
+
+Deterministic statistics, no timings; output: a markdown table on stdout, --json the raw reports and provenance.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import math
+import re
 import subprocess
 import sys
 import tarfile
@@ -32,6 +46,8 @@ from edgeq import fidelity as F
 from edgeq.convert.calibrated import GPTQOptions
 from edgeq.convert.pipeline import convert
 from edgeq.convert.recipe import find_recipe
+from edgeq.fidelity.text import DEFAULT_TEXT
+from edgeq.fidelity.tokens import encode
 from edgeq.keys import DATA
 from edgeq.runtime import load
 from edgeq.scheme import Scheme
@@ -47,7 +63,9 @@ EDGEQ_ARMS = {
     "gptq": ("w4a16-g128", "gptq", "family"),
     "gptq-g32": ("w4a16-g32", "gptq", "uniform"),
 }
-LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+# label -> llama_cpp's ftype constant; BF16: the converted file, scored as it is (no quantisation)
+LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "BF16": None}
 _ITEMSIZE = {"U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
 _GGUF_COUNTED = ("token_embd.weight", "output.weight")
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -71,13 +89,15 @@ def edgeq_bytes(out: Path) -> int:
     return sum(math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]] for t in tensors.values() if t["role"] in roles)
 
 
-def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> tuple[int, F.FidelityReport]:
+def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> tuple[int, int, F.FidelityReport]:
+    """(counted bytes, bytes of the checkpoint's *.safetensors, report) of one edgeq arm."""
     scheme, method, recipe = EDGEQ_ARMS[label]
     out = tmp / label
     recipe_arg = str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform" else None
     gptq = GPTQOptions() if method == "gptq" else None
     convert(FIXTURE, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq)
-    return edgeq_bytes(out), F.compare(ref, load(out), ctx=ctx, max_tokens=max_tokens)
+    files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    return edgeq_bytes(out), files, F.compare(ref, load(out), ctx=ctx, max_tokens=max_tokens)
 
 
 # --------------------------------------------------------------------------------------------------- llama.cpp arms
@@ -103,13 +123,58 @@ def converter(sdist: Path, tmp: Path) -> Path:
     return next((tmp / "sdist").rglob("convert_hf_to_gguf.py"))
 
 
-def gguf_bytes(path: Path) -> int:
+def llama_pre_tokenizer(model: Path) -> str:
+    """The llama.cpp pre-tokenizer type of ``model``'s tokenizer.json: "gpt-2" for GPT-2's byte-level BPE, else exit."""
+    tok = json.loads((model / "tokenizer.json").read_text())
+    pre, kind = tok.get("pre_tokenizer") or {}, (tok.get("model") or {}).get("type")
+    if (kind == "BPE" and tok.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex")
+            and not pre.get("add_prefix_space")):
+        return "gpt-2"  # llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2, GPT-2's regex ('s|'t|...| ?\\p{L}+|...)
+    raise SystemExit(f"{model}/tokenizer.json: pre-tokenizer {pre} ({kind}) is not GPT-2's byte-level BPE; this "
+                     f"script only knows which llama.cpp pre-tokenizer type that one is")
+
+
+def register_pre_tokenizer(root: Path, chkhsh: str, pre: str) -> Path:
+    """Map ``chkhsh`` to ``pre`` in the extracted converter's get_vocab_base_pre (the line its update script writes)."""
+    anchor = "        if res is None:\n"
+    for py in [root / "convert_hf_to_gguf.py", *sorted((root / "conversion").glob("*.py"))]:
+        src = py.read_text() if py.exists() else ""
+        if "def get_vocab_base_pre" in src and src.count(anchor) == 1:
+            py.write_text(src.replace(anchor, f'        if chkhsh == "{chkhsh}":\n'
+                                              f'            # edgeq benchmarks/quality_table.py: the bundled tokenizer\n'
+                                              f'            res = "{pre}"\n' + anchor))
+            return py
+    raise SystemExit(f"{root}: no get_vocab_base_pre with one 'if res is None:' to register the tokenizer in")
+
+
+def convert_bf16(script: Path, model: Path, out: Path) -> dict:
+    """llama.cpp's converter, model -> BF16 GGUF; an unknown pre-tokenizer hash is registered once (module doc)."""
+    cmd = [sys.executable, str(script), str(model), "--outtype", "bf16", "--outfile", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    info = {"pre_tokenizer_registered": None}
+    if run.returncode != 0 and "BPE pre-tokenizer was not recognized" in run.stderr:
+        chkhsh = re.search(r"chkhsh:\s+([0-9a-f]{64})", run.stderr).group(1)
+        pre = llama_pre_tokenizer(model)
+        where = register_pre_tokenizer(script.parent, chkhsh, pre)
+        info["pre_tokenizer_registered"] = {"chkhsh": chkhsh, "type": pre, "in": str(where.relative_to(script.parent))}
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    return info
+
+
+def gguf_bytes(path: Path) -> tuple[int, dict[str, int]]:
+    """Bytes of token_embd + output + blk.* attention/FFN weights, and those bytes per ggml type (e.g. Q4_K, Q6_K)."""
     from gguf import GGUFReader
 
     def counted(name: str) -> bool:
         return name in _GGUF_COUNTED or (name.startswith("blk.") and name.split(".")[2] in _GGUF_LINEARS)
 
-    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if counted(t.name))
+    per_type: dict[str, int] = {}
+    for t in GGUFReader(str(path)).tensors:
+        if counted(t.name):
+            per_type[t.tensor_type.name] = per_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    return sum(per_type.values()), per_type
 
 
 def quantize_gguf(src: Path, out: Path, ftype: str) -> None:
@@ -141,28 +206,41 @@ class LlamaScorer:
         return torch.from_numpy(np.array(self.llm.scores[: len(tokens)], dtype=np.float32)).unsqueeze(0)
 
 
-def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None) -> list:
+def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None) -> tuple[list, dict]:
+    """llama.cpp's rows, and what made them (sdist hash, versions, the registered pre-tokenizer, a tokeniser check)."""
+    import llama_cpp
+
     script = converter(sdist, tmp)
     bf16 = tmp / "tiny-prose-bf16.gguf"
-    subprocess.run([sys.executable, str(script), str(FIXTURE), "--outtype", "bf16", "--outfile", str(bf16)],
-                   check=True, capture_output=True)
+    info = {"sdist": str(sdist), "sdist_sha256": hashlib.sha256(sdist.read_bytes()).hexdigest(),
+            "llama_cpp_python": llama_cpp.__version__, **convert_bf16(script, FIXTURE, bf16)}
     rows = []
     for ftype in ftypes:
-        path = tmp / f"tiny-prose-{ftype}.gguf"
-        quantize_gguf(bf16, path, ftype)
-        rep = F.compare(ref, LlamaScorer(path, ctx), tokenizer=ref.tokenizer, ctx=ctx, max_tokens=max_tokens)
-        print(f"  llama.cpp {ftype}: mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
-        rows.append((f"llama.cpp {ftype} (no imatrix)", gguf_bytes(path), rep))
-    return rows
+        path = bf16 if LLAMA_FTYPES[ftype] is None else tmp / f"tiny-prose-{ftype}.gguf"
+        if path != bf16:
+            quantize_gguf(bf16, path, ftype)
+        scorer = LlamaScorer(path, ctx)
+        if "same_ids_as_edgeq" not in info:  # the GGUF's tokenizer only has to load; say whether it also agrees
+            text = DEFAULT_TEXT.read_text(encoding="utf-8")
+            info["same_ids_as_edgeq"] = scorer.llm.tokenize(text.encode(), add_bos=False) == encode(ref.tokenizer, text)
+        rep = F.compare(ref, scorer, tokenizer=ref.tokenizer, ctx=ctx, max_tokens=max_tokens)
+        counted, per_type = gguf_bytes(path)
+        print(f"  llama.cpp {ftype}: {counted} bytes counted ({per_type}), file {path.stat().st_size} bytes, "
+              f"mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
+        label = f"llama.cpp {ftype}" + (" (the converted file, unquantised)" if path == bf16 else " (no imatrix)")
+        rows.append((label, counted, path.stat().st_size, rep, {"gguf_bytes_by_type": per_type}))
+    return rows, info
 
 
 # ----------------------------------------------------------------------------------------------------------- table
 def table(rows) -> str:
-    lines = ["| arm | linears + head + embeddings | mean KLD (± se) | same top-1 | PPL ratio |", "|---|---|---|---|---|"]
-    for label, nbytes, r in rows:
-        lines.append(f"| {label} | {nbytes / 2**20:.2f} MiB | {r.kld_mean:.5f} ± {r.kld_mean_err:.5f} | "
-                     f"{100 * r.top1_agreement:.1f}% | {r.ppl_ratio:.4f} |")
-    r = rows[0][2]
+    """Rows (label, counted bytes, weights file bytes, report, extra) as markdown; MiB = 2**20 bytes."""
+    lines = ["| arm | linears + head + embeddings | weights file(s) | mean KLD (± se) | same top-1 | PPL ratio |",
+             "|---|---|---|---|---|---|"]
+    for label, nbytes, fbytes, r, _ in rows:
+        lines.append(f"| {label} | {nbytes / 2**20:.2f} MiB | {fbytes / 2**20:.2f} MiB | {r.kld_mean:.5f} ± "
+                     f"{r.kld_mean_err:.5f} | {100 * r.top1_agreement:.1f}% | {r.ppl_ratio:.4f} |")
+    r = rows[0][3]
     lines.append(f"\n{r.tokens_scored} tokens scored ({r.windows} windows of ctx {r.ctx}, scored {r.score}).")
     return "\n".join(lines)
 
@@ -181,23 +259,27 @@ def main(argv=None) -> None:
     unknown = [x for x in arms if x not in EDGEQ_ARMS]
     if unknown:
         ap.error(f"unknown arms {unknown}; valid: {', '.join(EDGEQ_ARMS)}")
+    ftypes = [x for x in a.llama.split(",") if x]
+    if [x for x in ftypes if x not in LLAMA_FTYPES]:
+        ap.error(f"unknown llama.cpp types in {ftypes}; valid: {', '.join(LLAMA_FTYPES)}")
     ref = load(FIXTURE)
-    rows = []
+    rows, info = [], None
     with tempfile.TemporaryDirectory(prefix="edgeq-quality-") as td:
         tmp = Path(td)
         for label in arms:
-            nbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens)
+            nbytes, fbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens)
             print(f"  {label}: {nbytes} bytes, mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
-            rows.append((f"edgeq {label}", nbytes, rep))
-        ftypes = [x for x in a.llama.split(",") if x]
+            rows.append((f"edgeq {label}", nbytes, fbytes, rep, {}))
         why = llama_available() if ftypes else "skipped (--llama '')"
         if why is None:
-            rows += llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens)
+            llama_rows, info = llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens)
+            rows += llama_rows
         else:
             print(f"llama.cpp arms not run: {why}", file=sys.stderr)
     print(table(rows))
     if a.json:
-        a.json.write_text(json.dumps([{"arm": l, "bytes": b, "report": r.to_dict()} for l, b, r in rows], indent=2))
+        out = [{"arm": l, "bytes": b, "file_bytes": f, **x, "report": r.to_dict()} for l, b, f, r, x in rows]
+        a.json.write_text(json.dumps({"rows": out, "llama_cpp": info}, indent=2))
 
 
 if __name__ == "__main__":
