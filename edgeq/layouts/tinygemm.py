@@ -268,6 +268,65 @@ def unpack(qweight: torch.Tensor, n: int, k: int, layout: TinygemmLayout, rows: 
     return out
 
 
+@lru_cache(maxsize=64)
+def _row_plan(layout: TinygemmLayout, n: int) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """(first tail row, tail rows, nibble position of each row offset in a full block, the same in the tail block or
+    None): ``pos[o] = p`` with ``perm[p] = o``, the inverse of the measured permutation."""
+    layout.blocks(n)  # refuses an N that is not a multiple of 16
+    full = n // layout.block_n * layout.block_n
+    tail = n - full
+
+    def inverse(s: int) -> torch.Tensor:
+        pos = torch.empty(s, dtype=torch.int64)
+        pos[torch.tensor(layout.perm(s))] = torch.arange(s)
+        return pos
+
+    pos_full = inverse(layout.block_n) if full else torch.zeros(1, dtype=torch.int64)
+    return full, tail, pos_full, (inverse(tail) if tail else None)
+
+
+def unpack_rows(qweight: torch.Tensor, rows: torch.Tensor, n: int, k: int, layout: TinygemmLayout,
+                check: bool = True) -> torch.Tensor:
+    """uint8 values 0..15 [R, K] of any rows (int64 [R], any order, repeats allowed) of a packed uint8 [N, K/2]:
+    ``unpack(qweight, n, k, layout)[rows]`` bit for bit, without unpacking the rest (an embedding lookup reads one
+    row to a few thousand of a 150k-row table).
+
+    Row r lies in the block starting at ``n0`` (``r - r % block_n``, or the tail block's first row) of ``s`` rows
+    (``block_n`` or the tail's). Inside the block the bytes are k-major, ``s/2`` bytes per k, and nibble position
+    ``p = pos[r - n0]`` (the inverse of the measured ``perm``) holds the row, so::
+
+        q[r, c] = (qweight.flat[n0 * K/2 + c * s/2 + p // 2] >> 4 * (p % 2)) & 15
+
+    Worked example (AVX512 halves, block_n 64, K = 2): row 33 is offset 33 of block 0, ``perm = [0, 32, 1, 33, ...]``
+    so p = 3: byte 1 (``q[1, 0] | q[33, 0] << 4``), high nibble; for c = 1 the byte 32 + 1 = 33.
+    ``check=False`` skips the row-range check (a caller that checked the ids once for several tables).
+    """
+    rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+    if check and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise EdgeqError(f"unpack_rows: row {int(rows.min()) if int(rows.min()) < 0 else int(rows.max())} is outside "
+                         f"0..{n - 1}")
+    full, tail, pos_full, pos_tail = _row_plan(layout, n)
+    flat = qweight.reshape(-1)
+    if rows.numel() == 1:  # a decode step's token: its bytes are a strided view, no index tensor
+        r = int(rows)
+        n0, s, pos = (full, tail, pos_tail) if r >= full else (r - r % layout.block_n, layout.block_n, pos_full)
+        p = int(pos[r - n0])
+        start = n0 * (k // 2) + p // 2
+        return ((flat[start : start + (k - 1) * (s // 2) + 1 : s // 2] >> 4 * (p % 2)) & 15).view(1, k)
+    if pos_tail is None:  # every row is in a full block
+        n0 = rows - rows % layout.block_n
+        p = pos_full[rows - n0]
+        step = torch.full_like(rows, layout.block_n // 2)
+    else:
+        in_tail = rows >= full
+        n0 = torch.where(in_tail, full, rows - rows % layout.block_n)
+        offset = rows - n0
+        p = torch.where(in_tail, pos_tail[offset.clamp(max=tail - 1)], pos_full[offset.clamp(max=pos_full.numel() - 1)])
+        step = torch.where(in_tail, tail // 2, layout.block_n // 2)
+    index = (n0 * (k // 2) + p // 2)[:, None] + torch.arange(k)[None, :] * step[:, None]
+    return (flat[index] >> ((p % 2) * 4).to(torch.uint8)[:, None]) & 15
+
+
 def row_block(layout: TinygemmLayout, target_rows: int) -> int:
     """A row-block size near ``target_rows`` that is a whole number of layout blocks (so packing a row block gives
     exactly the bytes of those rows in the whole tensor's packing)."""
