@@ -17,7 +17,9 @@ from enum import StrEnum
 from pathlib import Path
 
 VERSION = "0.1.0"  # edgeq's own version (edgeq.__version__; pyproject.toml says the same, tested)
-FORMAT_VERSION = 1  # the manifest's format_version; a reader refuses any other
+FORMAT_VERSION = 2  # the newest manifest format_version: 2 adds packed embeddings (docs/format.md)
+FORMAT_VERSION_BF16_EMBEDDINGS = 1  # what a checkpoint without packed embeddings is written as: its files are unchanged
+FORMAT_VERSIONS = (FORMAT_VERSION_BF16_EMBEDDINGS, FORMAT_VERSION)  # what readers accept; any other is refused
 
 # file names in an edgeq checkpoint directory
 MANIFEST = "edgeq_manifest.json"
@@ -30,6 +32,7 @@ DATA = Path(__file__).resolve().parent / "data"  # the bundled tiny model, calib
 
 QUANT_METHOD = "edgeq"  # config.json quantization_config.quant_method of every edgeq checkpoint
 HEAD_MODULE = "lm_head"  # the default output head; a recipe may name another (Recipe.head)
+RESIDUAL_MODULE = ".residual"  # an untied packed embedding's second level: M.residual.qweight (docs/format.md)
 
 
 class Kernel(StrEnum):
@@ -57,6 +60,18 @@ class Role(StrEnum):
     PERM = "perm"  # an output-only role: ``M.perm`` (int64 [K]) of an act-order layer, written beside its module
 
 
+class EmbeddingStorage(StrEnum):
+    """How ``edgeq quantize --embeddings`` stores the input embedding table (manifest ``embeddings``).
+
+    - ``BF16``: the table as a bf16 tensor under its own name (format_version 1, as every checkpoint before 2);
+    - ``PACKED``: 4-bit levels in the checkpoint's tinygemm layout, summed at lookup: level 0 is the head's own
+      tensors when the head was quantised from this table, a residual level is the table's own (format_version 2).
+    """
+
+    BF16 = "bf16"
+    PACKED = "packed"
+
+
 class Action(StrEnum):
     """What the converter does with a tensor (edgeq/convert/plan.py)."""
 
@@ -65,6 +80,8 @@ class Action(StrEnum):
     COPY = "copy"  # cast to bf16
     REPACK = "repack"  # a 4-bit GPTQ layer mapped exactly onto tinygemm
     REQUANTIZE = "requantize"  # a GPTQ layer dequantised exactly and quantised again
+    PACK_EMBEDDING = "pack-embedding"  # an embedding table -> 4-bit levels (edgeq/convert/embeddings.py); not a Linear
 
 
-QUANTIZED_ACTIONS = (Action.QUANTIZE, Action.REPACK, Action.REQUANTIZE)  # actions whose output is packed
+# actions whose output is a packed Linear (the manifest's quantized_modules); a packed embedding is not one
+QUANTIZED_ACTIONS = (Action.QUANTIZE, Action.REPACK, Action.REQUANTIZE)

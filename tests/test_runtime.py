@@ -136,7 +136,7 @@ def _edit(src: Path, dst: Path, fn) -> Path:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda m, c: (m.update(format_version=2), c["quantization_config"].update(format_version=2)), "format_version 2"),
+    (lambda m, c: (m.update(format_version=3), c["quantization_config"].update(format_version=3)), "format_version 3"),
     (lambda m, c: m.update(kernel="amx_w4a8"), "config.json says kernel 'tinygemm_w4a16' but edgeq_manifest.json says 'amx_w4a8'"),
     (lambda m, c: m["layout"].update(layout_hash="0" * 64), "layout_hash does not match its permutations"),
     (lambda m, c: m["layout"].update(perms={"64": [0] * 64}), "layout_hash does not match|not a permutation"),

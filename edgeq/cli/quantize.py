@@ -36,6 +36,9 @@ def quantize(
                                              "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
     damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
                                          "diagonal [default: 0.01]."),
+    embeddings: Optional[str] = typer.Option(None, "--embeddings", help="packed (4-bit: the head's levels plus a "
+                                             "residual, tinygemm schemes) | bf16 [default: the recipe's "
+                                             "embeddings_storage; w4a8: bf16]."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -44,7 +47,6 @@ def quantize(
 ) -> None:
     """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
     from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415 (torch: only when the command runs)
-    from edgeq.convert.plan import plan_rows  # noqa: PLC0415
     from edgeq.route import resolve_scheme  # noqa: PLC0415
     from edgeq.scheme import Scheme  # noqa: PLC0415
 
@@ -55,23 +57,39 @@ def quantize(
     check_method(method)
     gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
-                       head_from=head_from, gptq=gptq)
+                       head_from=head_from, gptq=gptq, embeddings=embeddings)
     plan = prepared[1]
     if dry_run:
-        rows = plan_rows(plan)
-        summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
-                   "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems)}
-        if plan.source:
-            summary["source"] = plan.source
-        emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
-        if plan.problems:
-            plan.check()
+        _dry_run(plan, as_json)
         return
     target = output or Path(f"{str(model).rstrip('/')}-{plan.scheme}")
     report = _with_progress(lambda cb: convert(model, target, force=force, progress=cb, prepared=prepared,
                                                max_shard_bytes=parse_bytes(max_shard_size)),
-                            plan.bytes_in + plan.head.bytes_in * plan.tied, quiet or as_json)
+                            plan.bytes_in + plan.head.bytes_in * plan.tied + _extra_reads(plan), quiet or as_json)
     emit(report, as_json, _render_convert)
+
+
+def _dry_run(plan, as_json: bool) -> None:
+    """The plan (from headers only): a table and a summary, or one JSON document; an error after it when the plan
+    cannot be written."""
+    from edgeq.convert.embeddings import describe  # noqa: PLC0415
+    from edgeq.convert.plan import plan_rows  # noqa: PLC0415
+
+    rows = plan_rows(plan)
+    summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
+               "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems),
+               "embeddings": describe(plan)}
+    if plan.source:
+        summary["source"] = plan.source
+    emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
+    if plan.problems:
+        plan.check()
+
+
+def _extra_reads(plan) -> int:
+    """Bytes read beyond each input tensor once: an embedding packed with its own level 0 is read twice."""
+    e = plan.packed_embedding
+    return e.bytes_in if e is not None and e.levels[0].own else 0
 
 
 def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
@@ -102,6 +120,8 @@ def _with_progress(run, total: int, quiet: bool):
 def _render_plan(rows: list[dict], summary: dict) -> None:
     from rich.table import Table  # noqa: PLC0415
 
+    from edgeq.convert.embeddings import summary_line  # noqa: PLC0415
+
     t = Table(title=f"plan: {summary['scheme']} ({summary['method']}, recipe {summary['recipe']})", show_lines=False)
     for col in ("name", "shape", "dtype", "role", "action", "bytes in", "bytes out"):
         t.add_column(col, justify="right" if col.startswith("bytes") else "left")
@@ -113,17 +133,22 @@ def _render_plan(rows: list[dict], summary: dict) -> None:
     ratio = summary["bytes_in"] / summary["bytes_out"] if summary["bytes_out"] else 0
     out.print(f"total: {mib(summary['bytes_in'])} -> {mib(summary['bytes_out'])} ({ratio:.2f}x); "
               f"head {'tied: quantised from the embedding, output untied' if summary['tied'] else 'quantised'}")
+    out.print(summary_line(summary["embeddings"]), highlight=False)
     for p in summary["problems"]:
         err.print(f"[red]cannot quantise: {p}[/red]")
 
 
 def _render_convert(r) -> None:
+    from edgeq.convert.embeddings import summary_line  # noqa: PLC0415
+
     out.print(f"wrote {r.out}  ({r.scheme}, {r.method}, recipe {r.recipe}; layout {r.layout})", highlight=False,
               soft_wrap=True)
     out.print(f"  {mib(r.bytes_in)} -> {mib(r.bytes_out)}  ({r.ratio:.2f}x)   {r.seconds:.1f} s   "
               f"peak RSS {mib(r.peak_rss_bytes)} (anon {mib(r.peak_rss_anon_bytes)})")
     out.print(f"  {r.quantized} weights quantised, head from {r.head_source}{' (untied)' if r.untied else ''}")
     out.print(f"  relative reconstruction error: mean {r.mean_relative_error:.4f}, worst {r.worst_relative_error:.4f} ({r.worst_tensor})")
+    if r.embeddings:
+        out.print(f"  {summary_line(r.embeddings)}", highlight=False, soft_wrap=True)
     for line in r.notes:
         out.print(f"  {line}")
 

@@ -21,6 +21,7 @@ import torch
 
 from edgeq.convert import w4a16
 from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, calibration_windows, gptq_model
+from edgeq.convert.embeddings import write_levels
 from edgeq.convert.plan import Plan, PlanEntry, build_plan, group_sizes, packed_bytes
 from edgeq.convert.recipe import Recipe
 from edgeq.convert.stream import Progress, copy_entry, rss
@@ -95,11 +96,13 @@ def calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
 
 def write_order(plan: Plan) -> list[PlanEntry]:
     """The order tensors are declared (and written) in: the plan's, except for ``gptq``, which writes every copied
-    tensor first and then the quantised ones in the driver's predicted execution order, head last."""
+    tensor first and then the quantised ones in the driver's predicted execution order, head last, then a packed
+    embedding (its residual reads the head back)."""
     if plan.method != METHOD:
         return list(plan.entries)
-    rest = [e for e in plan.entries if not e.quantized]
-    return rest + sorted((e for e in plan.entries if e.quantized), key=_execution_key)
+    packed = [e for e in plan.entries if e.action == Action.PACK_EMBEDDING]
+    rest = [e for e in plan.entries if not e.quantized and e.action != Action.PACK_EMBEDDING]
+    return rest + sorted((e for e in plan.entries if e.quantized), key=_execution_key) + packed
 
 
 def _execution_key(e: PlanEntry) -> tuple:
@@ -170,7 +173,8 @@ class _Layers:
 def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: TinygemmLayout, writer: ShardedWriter,
                 progress: Progress, windows: torch.Tensor) -> dict:
     """Copies first, then every quantised module as the layer-streamed GPTQ driver yields it (the plan's head
-    module is the driver's last result). Returns what :func:`edgeq.convert.stream.stream` returns."""
+    module is the driver's last result), then a packed embedding against the head as written. Returns what
+    :func:`edgeq.convert.stream.stream` returns."""
     opts: GPTQOptions = plan.options
     for e in order:
         if e.quantized:
@@ -203,6 +207,10 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
         miss = sink.missing()
         raise EdgeqError(f"GPTQ calibration did not produce {len(miss)} planned module(s), e.g. {miss[:3]}; "
                          "they are not Linears of the decoder layers; use --method rtn for this model")
+    embeddings = {}
+    if (e := plan.packed_embedding) is not None:
+        embeddings = write_levels(ckpt, plan, e, record, writer, progress)
+        anon_peak = max(anon_peak, rss()[0])
     details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
                "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
-    return {"errors": errors, "anon_peak": anon_peak, "details": details}
+    return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}

@@ -9,7 +9,8 @@ The pipeline never branches on the kernel: it asks ``packer(scheme.kernel)`` to
 - quantise and pack one float weight in row blocks (``quantize``), and re-check the written headers (``verify``).
 
 ``zero_point_domain`` ("float" or "int") is config.json's; ``per_module_groups`` says whether a recipe's
-group_sizes apply (tinygemm takes G per call; the W4A8 kernel one G per checkpoint).
+group_sizes apply (tinygemm takes G per call; the W4A8 kernel one G per checkpoint); ``packed_embeddings`` whether
+the embedding table may be written as 4-bit levels in this layout (edgeq/convert/embeddings.py: tinygemm only).
 
 Adding a layout: a module beside w4a16.py / w4a8.py defining ``PACKER``, listed in :data:`_MODULES`. These
 pieces belong on the Layout itself (edgeq/layouts/) once it has pack and verify; this registry then goes.
@@ -35,6 +36,7 @@ class Packer(Protocol):
     kernel: Kernel
     zero_point_domain: str  # config.json quantization_config.zero_point_domain
     per_module_groups: bool  # a recipe's group_sizes apply (else one group size per checkpoint)
+    packed_embeddings: bool  # --embeddings packed: the runtime has a lookup for 4-bit levels in this layout
 
     def check_options(self, scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
         """Refuse (EdgeqError) a method or input this kernel cannot be written from, before anything is read."""

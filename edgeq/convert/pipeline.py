@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from edgeq.convert.calibrated import GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
+from edgeq.convert.embeddings import describe as describe_embeddings
+from edgeq.convert.embeddings import format_version, pack_plan, resolve_storage
 from edgeq.convert.ingest_config import read_gptq_config
 from edgeq.convert.ingest_gptq import build_gptq_plan
 from edgeq.convert.packers import packer
@@ -45,7 +47,6 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
 from edgeq.io.writer import prepare_output, say, staging
-from edgeq.keys import FORMAT_VERSION
 from edgeq.quantize.rtn import METHODS
 from edgeq.scheme import Scheme
 
@@ -79,6 +80,7 @@ class ConvertReport:
     details: dict = field(default_factory=dict)  # the manifest's method record (GPTQ ingest / calibration)
     layout: str = ""  # the packed layout written, and why (the kernel's Packer.describe)
     warnings: tuple[str, ...] = ()  # also printed on stderr (e.g. no tokenizer files)
+    embeddings: dict = field(default_factory=dict)  # the input embedding as written (convert/embeddings.py describe)
 
     @property
     def ratio(self) -> float:
@@ -106,10 +108,19 @@ def refuse_quantized_input(ckpt: Checkpoint) -> None:
 
 def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,
             requantize: bool = False, head_from: str | Path | None = None,
-            gptq: GPTQOptions | None = None) -> tuple[Checkpoint, Plan, Recipe]:
-    """Headers -> recipe -> plan. Nothing but headers and config is read (GPTQ input: also each layer's g_idx).
+            gptq: GPTQOptions | None = None, embeddings: str | None = None) -> tuple[Checkpoint, Plan, Recipe]:
+    """Headers -> recipe -> plan, with the embedding table packed or not (``embeddings``: ``--embeddings``, else
+    the recipe's; edgeq/convert/embeddings.py). Nothing but headers and config is read (GPTQ input: also each
+    layer's g_idx)."""
+    ckpt, plan, recipe = _prepare(src, scheme, method, recipe_name, requantize=requantize, head_from=head_from, gptq=gptq)
+    return ckpt, pack_plan(plan, recipe, resolve_storage(embeddings, recipe, plan.scheme)), recipe
 
-    ``requantize`` / ``head_from`` apply to GPTQ input, ``gptq`` (options) to ``method="gptq"``."""
+
+def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,
+             requantize: bool = False, head_from: str | Path | None = None,
+             gptq: GPTQOptions | None = None) -> tuple[Checkpoint, Plan, Recipe]:
+    """:func:`prepare` before the embedding choice. ``requantize`` / ``head_from`` apply to GPTQ input, ``gptq``
+    (options) to ``method="gptq"``."""
     ckpt = open_checkpoint(resolve_source(src))
     gcfg = read_gptq_config(ckpt)  # refuses every other quantised format
     recipe = find_recipe(recipe_name, ckpt.config.get("model_type"))
@@ -173,11 +184,13 @@ def convert(
     requantize: bool = False,
     head_from: str | Path | None = None,
     gptq: GPTQOptions | None = None,
+    embeddings: str | None = None,
 ) -> ConvertReport:
     """Quantise ``src`` into the directory ``out`` (see the module docstring); ``prepared``: :func:`prepare`'s
     result, when the caller already has it (the CLI's plan table)."""
     t0 = time.perf_counter()
-    ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe, requantize=requantize, head_from=head_from, gptq=gptq)
+    ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe, requantize=requantize, head_from=head_from,
+                                          gptq=gptq, embeddings=embeddings)
     plan.check()
     layout = packer(plan.scheme.kernel).record(plan.scheme)
     out = Path(out).resolve()
@@ -199,6 +212,7 @@ def convert(
         head_source=plan.head.source, untied=plan.tied, layout_hash=layout.layout_hash, shards=digests,
         notes=tuple(notes(plan, stats["details"])), details=stats["details"],
         layout=packer(plan.scheme.kernel).describe(layout), warnings=tuple(warnings),
+        embeddings={**describe_embeddings(plan), **stats.get("embeddings", {})},
     )
 
 
@@ -211,7 +225,7 @@ def _write(ckpt: Checkpoint, plan: Plan, layout, tmp: Path, progress: Progress, 
     try:
         order = write_order(plan)
         specs = [OutSpec(n, DTYPES[d][0], s) for e in order for n, d, s in e.out_tensors(plan.scheme)]
-        writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"edgeq_format_version": str(FORMAT_VERSION)})
+        writer = ShardedWriter(tmp, specs, max_shard_bytes, metadata={"edgeq_format_version": str(format_version(plan))})
         if plan.method == "gptq":
             stats = stream_gptq(ckpt, plan, order, layout, writer, progress, windows)
             stats["details"] = {"gptq": {"calibration": calib, **stats["details"]}}

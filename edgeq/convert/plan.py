@@ -57,6 +57,16 @@ class GPTQSource:
 
 
 @dataclass(frozen=True)
+class EmbeddingLevel:
+    """One 4-bit level of a packed embedding (edgeq/convert/embeddings.py): ``module``'s tinygemm tensors at
+    ``group_size``; ``own`` False when they are another entry's (level 0 of a tied table is the head)."""
+
+    module: str
+    group_size: int
+    own: bool = True
+
+
+@dataclass(frozen=True)
 class PlanEntry:
     name: str  # the output tensor name (the module's weight name for quantised ones)
     source: str  # the input tensor it comes from (differs for an untied head, and for GPTQ layers: M.qweight)
@@ -72,6 +82,7 @@ class PlanEntry:
     method: str = ""  # quantisation method of this entry when it differs from the plan's (GPTQ ingest: rtn for the head)
     origin: str | None = None  # another checkpoint directory the source is read from (--head-from), else the input
     group_size: int = 0  # this entry's group size when the recipe's group_sizes make it finer than the scheme's, else 0
+    levels: tuple[EmbeddingLevel, ...] = ()  # action pack-embedding: the levels summed at lookup, in order
 
     def group(self, scheme: Scheme) -> int:
         """The group size this entry is (or was) quantised with."""
@@ -86,7 +97,10 @@ class PlanEntry:
         return self.action in QUANTIZED_ACTIONS
 
     def out_tensors(self, scheme: Scheme) -> list[TensorSpec]:
-        """(name, dtype code, shape) of what this entry writes: its layout's tensors, or itself in bf16."""
+        """(name, dtype code, shape) of what this entry writes: its layout's tensors, a packed embedding's own levels'
+        tensors, or itself in bf16."""
+        if self.action == Action.PACK_EMBEDDING:
+            return [t for lv in self.levels if lv.own for t in layout_of(scheme).out_tensors(lv.module, *self.shape, lv.group_size)]
         if not self.quantized:
             return [(self.name, "BF16", self.shape)]
         return layout_of(scheme).out_tensors(self.module, *self.shape, self.group(scheme), self.perm)
@@ -115,6 +129,11 @@ class Plan:
     @property
     def head(self) -> PlanEntry:
         return next(e for e in self.entries if e.role == Role.HEAD)
+
+    @property
+    def packed_embedding(self) -> PlanEntry | None:
+        """The embedding entry written as 4-bit levels (``--embeddings packed``), or None (bf16 tables)."""
+        return next((e for e in self.entries if e.action == Action.PACK_EMBEDDING), None)
 
     @property
     def head_module(self) -> str:
@@ -255,6 +274,8 @@ def plan_rows(plan: Plan) -> list[dict]:
             row["from"] = e.origin
         if e.group_size:
             row["group_size"] = e.group_size
+        if e.levels:
+            row["levels"] = [{"module": lv.module, "group_size": lv.group_size} for lv in e.levels]
         rows.append(row)
     return rows
 

@@ -8,6 +8,10 @@ the head is rejected: the head is always quantised.
 quantised with ``min(that, the scheme's group size)`` in the same tinygemm layout (the kernel takes G per call), so
 the scheme name keeps meaning the base group size and ``--scheme w4a16-g32`` still means g32 everywhere. W4A8
 schemes ignore it (one group size per checkpoint there).
+
+``embeddings_storage`` (``"bf16"`` or ``"packed"``, default :data:`DEFAULT_EMBEDDINGS`) is how the input embedding
+table is written when ``--embeddings`` is not given (docs/format.md, "Packed embeddings"); a W4A8 scheme writes bf16
+whatever the recipe says (its kernel has no packed embedding path).
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeq.errors import EdgeqError
+from edgeq.keys import EmbeddingStorage
 from edgeq.scheme import Scheme
 
-_KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "group_sizes", "notes"}
+_KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "group_sizes", "notes",
+         "embeddings_storage"}
+# How the input embedding table is stored when neither the recipe nor --embeddings says (edgeq.keys.EmbeddingStorage).
+# "bf16" until the runtime and both integrations read packed embeddings; then this one line becomes PACKED.
+DEFAULT_EMBEDDINGS = EmbeddingStorage.BF16
 _GROUP_CHOICES = (32, 64, 128, 256)  # tinygemm's qGroupSize values (edgeq.scheme)
 
 
@@ -36,6 +45,7 @@ class Recipe:
     notes: str
     source: str
     group_sizes: tuple[tuple[str, int], ...] = ()
+    embeddings_storage: str = DEFAULT_EMBEDDINGS  # "bf16" | "packed" (--embeddings overrides; W4A8 schemes: bf16)
 
     def keeps(self, tensor_name: str) -> str | None:
         """The keep_bf16 pattern matching this tensor, if any."""
@@ -77,6 +87,7 @@ def load_recipe(path: Path) -> Recipe:
             notes=str(data.get("notes", "")),
             source=str(path),
             group_sizes=_group_sizes(path, data.get("group_sizes", {})),
+            embeddings_storage=_storage(path, data.get("embeddings_storage", DEFAULT_EMBEDDINGS)),
         )
     except KeyError as e:
         raise EdgeqError(f"{path}: recipe needs the key {e}") from e
@@ -106,6 +117,15 @@ def _group_sizes(path: Path, table) -> tuple[tuple[str, int], ...]:
             raise EdgeqError(f"{path}: group_sizes[{p!r}] = {g!r}; valid group sizes: {', '.join(map(str, _GROUP_CHOICES))}")
         out.append((p, int(g)))
     return tuple(out)
+
+
+def _storage(path: Path, value) -> EmbeddingStorage:
+    """``embeddings_storage = "bf16" | "packed"`` validated."""
+    try:
+        return EmbeddingStorage(value)
+    except ValueError:
+        raise EdgeqError(f"{path}: embeddings_storage = {value!r}; valid: "
+                         f"{', '.join(repr(str(v)) for v in EmbeddingStorage)}") from None
 
 
 def all_recipes() -> list[Recipe]:

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from edgeq.convert import card
+from edgeq.convert.embeddings import format_version, manifest_record
 from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.ingest_stream import describe as describe_ingest
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry, group_sizes
 from edgeq.io.hf import TOKENIZER_FILES, Checkpoint
 from edgeq.io.manifest import Manifest
-from edgeq.keys import CONFIG, FORMAT_VERSION, QUANT_METHOD, VERSION, Action, Kernel, Role
+from edgeq.keys import CONFIG, QUANT_METHOD, VERSION, Action, Kernel, Role
 from edgeq.quantize.rtn import METHODS
 
 AUX_FILES = (
@@ -40,7 +41,7 @@ def manifest(plan: Plan, layout, digests: dict, order: list[PlanEntry] | None = 
     if perms:
         extra["perm_modules"] = perms
     return Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=format_version(plan),  # 1 unless an embedding is packed: bf16 checkpoints keep their bytes
         scheme=str(plan.scheme),
         method=plan.method,
         kernel=plan.scheme.kernel,
@@ -52,6 +53,7 @@ def manifest(plan: Plan, layout, digests: dict, order: list[PlanEntry] | None = 
         tensors=_tensor_records(plan, order or plan.entries),
         created_by={"edgeq": VERSION, "torch": torch.__version__, "recipe": plan.recipe},
         group_sizes=group_sizes(plan),
+        embeddings=manifest_record(plan),
         extra=extra,  # the method's records as extra top-level keys (readers ignore keys they do not know)
     )
 
@@ -116,7 +118,7 @@ def quantization_config(manifest: Manifest, plan: Plan, layout) -> dict:
     ``sym``, ``modules_to_not_convert``); docs/format.md maps them to GPTQ, compressed-tensors and torchao."""
     return {
         "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest.format_version,
         "bits": plan.scheme.weight_bits,
         "group_size": plan.scheme.group_size,
         "sym": False,  # both kernels store a zero point per (group, output row)

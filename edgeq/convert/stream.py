@@ -3,7 +3,8 @@ GPTQ ingest; ``--method gptq`` streams in the driver's order: edgeq/convert/cali
 
 Per entry: ``copy`` reads row blocks and casts them to bf16; ``quantize`` hands the kernel's packer
 (:func:`edgeq.convert.packers.packer`) a row reader and the writer, and it quantises and packs a row block at a
-time; a GPTQ entry (``repack`` / ``requantize`` / ``keep``) goes to :func:`edgeq.convert.ingest_stream.stream_entry`.
+time; a GPTQ entry (``repack`` / ``requantize`` / ``keep``) goes to :func:`edgeq.convert.ingest_stream.stream_entry`;
+a packed embedding (``pack-embedding``, last) to :func:`edgeq.convert.embeddings.write_levels`.
 Peak memory is one row block's working set (about ``ROW_BLOCK_ELEMENTS`` weights), whatever the model size.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from edgeq.convert import ingest_stream as ingest
+from edgeq.convert.embeddings import write_levels
 from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry
@@ -78,12 +80,16 @@ def quantize_entry(ckpt: Checkpoint, e: PlanEntry, plan: Plan, record: Any, writ
 
 def stream(ckpt: Checkpoint, plan: Plan, record: Any, writer: ShardedWriter, progress: Progress) -> dict:
     """Every entry in plan order. Returns {"errors": {module: relative error}, "anon_peak": bytes, "details": the
-    manifest's method record (GPTQ ingest: :func:`edgeq.convert.ingest_stream.ingest_summary`, else empty)}."""
+    manifest's method record (GPTQ ingest: :func:`edgeq.convert.ingest_stream.ingest_summary`, else empty),
+    "embeddings": a packed embedding's errors (:func:`edgeq.convert.embeddings.write_levels`) or {}}."""
     errors: dict[str, float] = {}
     ingested: dict[str, ingest.EntryStats] = {}
     anon_peak = 0
+    embeddings: dict = {}
     for e in plan.entries:
-        if e.gptq is not None:
+        if e.action == Action.PACK_EMBEDDING:  # last in the plan: its residual reads the head back
+            embeddings = write_levels(ckpt, plan, e, record, writer, progress)
+        elif e.gptq is not None:
             st = ingest.stream_entry(ckpt, e, plan.scheme, record, writer, progress)
             ingested[e.module] = st
             if e.quantized:
@@ -94,4 +100,4 @@ def stream(ckpt: Checkpoint, plan: Plan, record: Any, writer: ShardedWriter, pro
             copy_entry(ckpt, e, writer, progress)
         anon_peak = max(anon_peak, rss()[0])
     details = ingest.ingest_summary(plan, ingested) if plan.method == INGEST_METHOD else {}
-    return {"errors": errors, "anon_peak": anon_peak, "details": details}
+    return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}

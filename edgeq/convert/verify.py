@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edgeq.convert.embeddings import verify_levels
 from edgeq.convert.packers import packer
 from edgeq.errors import EdgeqError
 from edgeq.io.manifest import read_manifest
@@ -13,7 +14,8 @@ from edgeq.io.safetensors import read_header, sha256_file
 
 def verify_written(directory: Path, head: str | None = None) -> None:
     """Re-open a written checkpoint from its headers: manifest, every shard's sha256, the head quantised, every
-    quantised tensor's dtypes and shapes (the kernel's packer: :meth:`edgeq.convert.packers.Packer.verify`).
+    quantised tensor's dtypes and shapes (the kernel's packer: :meth:`edgeq.convert.packers.Packer.verify`), every
+    packed embedding level's (:func:`edgeq.convert.embeddings.verify_levels`).
 
     ``head``: the module the plan quantised as the output head (the recipe's); by default the manifest's record."""
     manifest = read_manifest(directory)
@@ -31,3 +33,4 @@ def verify_written(directory: Path, head: str | None = None) -> None:
     if f"{head}.qweight" not in found or head not in manifest.quantized_modules:
         raise EdgeqError(f"{directory}: the written checkpoint has no quantised {head}; refusing it")
     packer(manifest.kernel).verify(directory, manifest, found)
+    verify_levels(directory, manifest, found)

@@ -135,6 +135,7 @@ class _Tinygemm:
     kernel = KERNEL
     zero_point_domain = "float"  # w = (q - 8) * s + z, z a bf16 float
     per_module_groups = True  # the mm op takes G per call: a recipe's group_sizes apply
+    packed_embeddings = True  # rows of 4-bit levels are decoded at lookup (edgeq/convert/embeddings.py)
 
     def check_options(self, scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
         """Every method and input the pipeline has writes this layout."""

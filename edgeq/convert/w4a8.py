@@ -171,6 +171,7 @@ class _W4A8:
     kernel = KERNEL
     zero_point_domain = "int"  # w = (q - z) * s, z an integer 0..15
     per_module_groups = False  # one group size per checkpoint: a recipe's group_sizes are ignored
+    packed_embeddings = False  # no lookup for 4-bit levels in this layout: embeddings stay bf16
 
     def check_options(self, scheme: Scheme, method: str, *, gptq_input: bool = False) -> None:
         check_options(scheme, method, gptq_input=gptq_input)

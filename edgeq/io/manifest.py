@@ -1,8 +1,8 @@
 """The manifest: ``edgeq_manifest.json`` beside the weights, the record the runtime and inspect trust.
 
-Keys (format_version 1)::
+Keys (format_version 1, and 2 when an embedding is packed)::
 
-    format_version  1
+    format_version  1, or 2 when ``embeddings`` has a packed entry (readers accept both: keys.FORMAT_VERSIONS)
     scheme          "w4a16-g128"             method  "rtn" | "minmax" | "gptq"
     kernel          "tinygemm_w4a16"         the path the runtime must use
     layout          TinygemmLayout.to_json(): op, torch_version, cpu_capability, block_n, layout_hash, perms
@@ -14,6 +14,10 @@ Keys (format_version 1)::
     created_by      {"edgeq": version, "torch": version}
     group_sizes     {module: G} for quantised modules whose group size differs from the scheme's (a recipe's
                     group_sizes); absent when every module uses the scheme's, as in checkpoints written before it
+    embeddings      {embedding module: {"storage": "packed", "source": <input tensor>, "levels": [{"module", "group_size"},
+                    ...]}}: 4-bit levels summed at lookup (docs/format.md, "Packed embeddings"); absent (bf16 tables)
+                    in format_version 1. Level 0 of the table the head was quantised from is the head itself; the other
+                    level modules are not in quantized_modules nor in group_sizes
 
 Any other top-level key (the method's records, e.g. ``gptq``, ``perm_modules``) is kept in ``extra`` and written back
 unchanged: reading a manifest and writing it again loses nothing.
@@ -29,7 +33,8 @@ from pathlib import Path
 from edgeq.errors import EdgeqError
 from edgeq.scheme import Scheme
 
-from edgeq.keys import FORMAT_VERSION, HEAD_MODULE, MANIFEST, Kernel
+from edgeq.keys import FORMAT_VERSION  # noqa: F401 (the newest version, still importable from here)
+from edgeq.keys import FORMAT_VERSION_BF16_EMBEDDINGS, FORMAT_VERSIONS, HEAD_MODULE, MANIFEST, EmbeddingStorage, Kernel
 
 KERNELS = tuple(k.value for k in Kernel)
 
@@ -68,6 +73,7 @@ class Manifest:
     tensors: dict
     created_by: dict
     group_sizes: dict = field(default_factory=dict)
+    embeddings: dict = field(default_factory=dict)  # {module: {"storage", "source", "levels"}}; {} = bf16 tables
     extra: dict = field(default_factory=dict)  # top-level keys this version does not model, kept as read
 
     @property
@@ -78,12 +84,17 @@ class Manifest:
         """The group size ``module`` was quantised with: its ``group_sizes`` entry, else the scheme's."""
         return int(self.group_sizes.get(module, Scheme.parse(self.scheme).group_size))
 
+    def embedding_levels(self, module: str) -> list[tuple[str, int]]:
+        """[(level module, group size), ...] of a packed embedding, in summation order (validated by from_json)."""
+        return [(lv["module"], int(lv["group_size"])) for lv in self.embeddings[module]["levels"]]
+
     def to_json(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
         d["quantized_modules"] = list(self.quantized_modules)
-        if not self.group_sizes:
-            del d["group_sizes"]  # uniform checkpoints keep the original key set
+        for key in ("group_sizes", "embeddings"):
+            if not d[key]:
+                del d[key]  # uniform checkpoints, bf16 embeddings: the original key set
         return {**d, **extra}
 
     def write(self, directory: Path) -> None:
@@ -97,8 +108,9 @@ class Manifest:
         if not isinstance(d, dict):
             raise EdgeqError(f"{where}: not a JSON object")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise EdgeqError(f"{where}: format_version {version!r} is not supported (this edgeq reads {FORMAT_VERSION}); upgrade edgeq or re-quantise")
+        if isinstance(version, bool) or version not in FORMAT_VERSIONS:
+            raise EdgeqError(f"{where}: format_version {version!r} is not supported (this edgeq reads "
+                             f"{', '.join(map(str, FORMAT_VERSIONS))}); upgrade edgeq or re-quantise")
         if d.get("kernel") not in KERNELS:
             raise EdgeqError(f"{where}: unknown kernel {d.get('kernel')!r} (known: {', '.join(KERNELS)})")
         head = d.get("head") or {}
@@ -109,17 +121,20 @@ class Manifest:
             raise EdgeqError(f"{where}: quantized_modules must be a non-empty list of module names")
         kept = d.get("modules_not_converted") or {}
         try:
-            return cls(
+            manifest = cls(
                 format_version=version, scheme=str(d["scheme"]), method=str(d["method"]), kernel=Kernel(d["kernel"]),
                 layout=dict(d["layout"]), head=dict(head), quantized_modules=tuple(modules),
                 modules_not_converted=dict.fromkeys(kept, "") if isinstance(kept, list) else dict(kept),
                 shards=dict(d["shards"]),
                 tensors=dict(d.get("tensors", {})), created_by=dict(d.get("created_by", {})),
                 group_sizes=_group_sizes(where, d.get("group_sizes"), modules),
+                embeddings=dict(d["embeddings"]) if isinstance(d.get("embeddings"), dict) else {},
                 extra={k: v for k, v in d.items() if k not in _FIELDS},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise EdgeqError(f"{where}: malformed manifest (missing or bad key {e}); re-quantise the checkpoint") from e
+        _check_embeddings(where, d.get("embeddings"), manifest)
+        return manifest
 
 
 _FIELDS = frozenset(f for f in Manifest.__dataclass_fields__ if f != "extra")
@@ -139,6 +154,63 @@ def _group_sizes(where: str, record, modules: list[str]) -> dict[str, int]:
         if isinstance(g, bool) or not isinstance(g, int):
             raise EdgeqError(f"{where}[{module!r}] = {g!r} is not a group size (an integer); re-quantise the checkpoint")
     return dict(record)
+
+
+def _check_embeddings(where: str, record, manifest: Manifest) -> None:
+    """The optional ``embeddings`` record, checked (docs/format.md, "Packed embeddings"): an object of embedding
+    module -> {"storage": "packed", "source": str, "levels": [{"module": str, "group_size": G}, ...]}, a non-empty
+    list of levels with tinygemm group sizes; level 0 of the table the head was quantised from (head ``untied``,
+    same ``source``, no ``from``) is the head at its own group size; every other level module is its own tensors,
+    named once, neither a quantised module nor in group_sizes; only in format_version 2 or later. ``record``: the
+    key as read (``manifest.embeddings`` holds it)."""
+    if record is None:
+        return
+    where = f"{where}: embeddings"
+    fix = "; re-quantise the checkpoint"
+    if not isinstance(record, dict):
+        raise EdgeqError(f"{where} must be an object of embedding module -> record{fix}")
+    if record and manifest.format_version == FORMAT_VERSION_BF16_EMBEDDINGS:
+        raise EdgeqError(f"{where}: format_version 1 has no packed embeddings (they need 2); the checkpoint is inconsistent{fix}")
+    head, head_name, modules = manifest.head, manifest.head_name, manifest.quantized_modules
+    seen: set[str] = set()
+    for module, rec in record.items():
+        at = f"{where}[{module!r}]"
+        packed = isinstance(rec, dict) and rec.get("storage") == EmbeddingStorage.PACKED
+        if not packed or not isinstance(rec.get("source"), str):
+            raise EdgeqError(f"{at} must be {{\"storage\": \"packed\", \"source\": <tensor>, \"levels\": [...]}} "
+                             f"(this edgeq reads storage \"packed\"){fix}")
+        levels = rec.get("levels")
+        if not isinstance(levels, list) or not levels:
+            raise EdgeqError(f"{at}.levels must be a non-empty list of {{\"module\", \"group_size\"}}{fix}")
+        for i, lv in enumerate(levels):
+            m, g = (lv.get("module"), lv.get("group_size")) if isinstance(lv, dict) else (None, None)
+            if not isinstance(m, str) or not _tinygemm_group(g):
+                raise EdgeqError(f"{at}.levels[{i}] = {lv!r}: needs a module name and a tinygemm group size "
+                                 f"(32, 64, 128 or 256){fix}")
+            if m == head_name and i == 0:
+                if g != manifest.group_size(m):
+                    raise EdgeqError(f"{at}.levels[0] is the head at group size {g}, but the head is quantised at "
+                                     f"{manifest.group_size(m)}; the checkpoint is inconsistent{fix}")
+                continue
+            if m in modules or m in seen:
+                raise EdgeqError(f"{at}.levels[{i}]: {m!r} is {'a quantised module' if m in modules else 'named twice'}; "
+                                 f"a level other than the head's has its own tensors{fix}")
+            seen.add(m)
+        tied = head.get("untied") is True and head.get("source") == rec["source"] and "from" not in head
+        if tied and levels[0]["module"] != head_name:
+            raise EdgeqError(f"{at}: the head {head_name!r} was quantised from {rec['source']}, so level 0 must be "
+                             f"the head, not {levels[0]['module']!r}{fix}")
+
+
+def _tinygemm_group(g) -> bool:
+    """A group size the tinygemm layout takes (the w4a16 schemes' set, edgeq.scheme)."""
+    if isinstance(g, bool) or not isinstance(g, int):
+        return False
+    try:
+        Scheme(activation_bits=16, group_size=g)
+    except EdgeqError:
+        return False
+    return True
 
 
 def read_manifest(directory: Path) -> Manifest:

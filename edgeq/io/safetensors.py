@@ -274,6 +274,25 @@ class ShardedWriter:
         if self.written == spec.nbytes:
             self.pos, self.written = self.pos + 1, 0
 
+    def read_back(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes ``start..stop`` of the data of ``name``, a tensor already written whole, as stored (the open shard
+        is flushed first): a later tensor computed from an earlier one reads it back in blocks instead of holding it
+        (edgeq/convert/embeddings.py: a packed embedding's residual from the head as written)."""
+        done = [(i, s) for i, s in self.order[: self.pos] if s.name == name]
+        if not done or not 0 <= start <= stop <= done[0][1].nbytes:
+            raise RuntimeError(f"writer: cannot read back {name} bytes {start}..{stop} (not written whole, or out of range)")
+        shard, spec = done[0]
+        specs = self.shards[shard]
+        before = sum(s.nbytes for s in specs[: next(j for j, s in enumerate(specs) if s.name == name)])
+        if shard == self.shard and self.file is not None:
+            self.file.flush()
+        with open(self.out_dir / self.names[shard], "rb") as f:
+            f.seek(len(_header_bytes(specs, self.metadata)) + before + start)
+            data = f.read(stop - start)
+        if len(data) != stop - start:
+            raise RuntimeError(f"writer: read back {len(data)} of {stop - start} bytes of {name}")
+        return data
+
     def close(self) -> dict[str, str]:
         """Finish the last shard, write the index when sharded; returns {shard file: sha256}."""
         if self.pos != len(self.order):

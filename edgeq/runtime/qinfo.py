@@ -21,7 +21,7 @@ from edgeq.keys import CONFIG, FORMAT_VERSION, MANIFEST, QUANT_METHOD, Kernel
 from edgeq.layouts.base import get
 from edgeq.scheme import Scheme
 
-FORMAT_VERSIONS = (FORMAT_VERSION,)
+FORMAT_VERSIONS = (1, FORMAT_VERSION)  # 1: bf16 embeddings; 2 (FORMAT_VERSION): packed embeddings (docs/format.md)
 KERNELS = tuple(k.value for k in Kernel)
 # config.json of a tinygemm_w4a16 checkpoint written before the "kernel" key existed omits it (read: the manifest's).
 # Every other kernel's config.json names it, so a difference between the two files is refused as one.
