@@ -32,8 +32,9 @@ def size_option(default: str, flag: str, help: str):
 
 def check_method(method: str | None) -> None:
     """Refuse an unknown --method before any file is read, suggesting the closest name."""
+    from edgeq.convert.gptqmodel import METHOD as GPTQMODEL  # noqa: PLC0415
     from edgeq.quantize.rtn import METHODS  # noqa: PLC0415 (imports torch: only when a command runs)
     from edgeq.scheme import unknown_choice  # noqa: PLC0415
 
-    if method is not None and method not in METHODS + ("gptq",):
-        raise EdgeqError(unknown_choice("--method", method, METHODS + ("gptq",)))
+    if method is not None and method not in METHODS + ("gptq", GPTQMODEL):
+        raise EdgeqError(unknown_choice("--method", method, METHODS + ("gptq", GPTQMODEL)))

@@ -21,7 +21,7 @@ def quantize(
     scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
                                          "for GPTQ input the checkpoint's group size]."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn (least-squares scale/zero search, default) | clip (min/max + clipping search) | minmax | "
-                                         "gptq (calibrated). For GPTQ input: the method of whatever is requantised."),
+                                         "gptq (calibrated) | gptqmodel (GPTQModel's GPTQ, the gptq extra; ingested exactly). For GPTQ input: the method of whatever is requantised."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE "
                                          "[default: the recipe for config.json's model_type]."),
     requantize: bool = typer.Option(False, "--requantize", help="GPTQ input: requantise (from the exact dequantisation) "

@@ -123,7 +123,11 @@ def _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize) -> 
         return None, problem
     n, k = shape
     g_src = k if src.group_size == -1 else src.group_size
-    g = scheme.group_size
+    # a 4-bit module given its own group size by GPTQModel's `dynamic` (e.g. g32 under g128) keeps it: tinygemm takes
+    # G per module, as with a recipe's group_sizes (recorded in the entry and the manifest's group_sizes)
+    own = src.bits == 4 and src.group_size != cfg.group_size and src.group_size in tinygemm.GROUP_SIZES
+    g = g_src if own else scheme.group_size
+    own_g = g if g != scheme.group_size else 0
     where = f"{module} [{n}, {k}] GPTQ {src.bits}-bit g{src.group_size}"
     keep = recipe.keeps(f"{module}.weight") if role == Role.LINEAR else None
     base = dict(name=f"{module}.weight", source=src.qweight, shape=(n, k), dtype="I32", role=role,
@@ -148,11 +152,12 @@ def _gptq_entry(ckpt, cfg, module, role, scheme, method, recipe, requantize) -> 
     if not why:
         reason = "exact" + (f", groups of {g_src} split into {g}" if split else "") + (", act-order: M.perm" if act_order else "")
         return PlanEntry(**base, action=Action.REPACK, bytes_out=packed_bytes((n, k), scheme, g, act_order), reason=reason,
-                         perm=act_order), None
+                         perm=act_order, group_size=own_g), None
     if (role == Role.HEAD and src.bits != 4) or requantize:
         flag = "" if role == Role.HEAD and src.bits != 4 else " (--requantize)"
         reason = f"{'; '.join(why)}: dequantised exactly and requantised with {method}{flag}"
-        return PlanEntry(**base, action=Action.REQUANTIZE, bytes_out=packed_bytes((n, k), scheme, g), reason=reason, method=method), None
+        return PlanEntry(**base, action=Action.REQUANTIZE, bytes_out=packed_bytes((n, k), scheme, g), reason=reason, method=method,
+                         group_size=own_g), None
     fix = f"use --scheme w4a16-g{g_src} to repack exactly, or --requantize" if g_src in tinygemm.GROUP_SIZES and src.bits == 4 \
         and g_src != g else "use --requantize (dequantise exactly, requantise with the default method)"
     return None, f"{where}: {'; '.join(why)}; {fix}"

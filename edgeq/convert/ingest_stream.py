@@ -71,7 +71,7 @@ def stream_entry(ckpt: Checkpoint, e: PlanEntry, scheme: Scheme, layout: tinygem
     t = (ckpt.read(src.qweight), ckpt.read(src.qzeros), ckpt.read(src.scales),
          ckpt.read(src.g_idx) if src.g_idx else None)
     n, k = e.shape
-    g = scheme.group_size
+    g = e.group(scheme)  # a module's own group size (GPTQModel's dynamic), else the scheme's
     step = _row_step(e, layout)
     sq_err = sq_norm = 0.0
     worst_bound = worst_scale = 0.0

@@ -34,6 +34,8 @@ from typing import Callable
 from edgeq.convert.calibrated import GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
 from edgeq.convert.embeddings import describe as describe_embeddings
 from edgeq.convert.embeddings import format_version, pack_plan, resolve_storage
+from edgeq.convert.gptqmodel import METHOD as GPTQMODEL
+from edgeq.convert.gptqmodel import gptqmodel_plan, quantized
 from edgeq.convert.ingest_config import read_gptq_config
 from edgeq.convert.ingest_gptq import build_gptq_plan
 from edgeq.convert.packers import packer
@@ -127,26 +129,28 @@ def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_
     if gcfg is not None:
         if scheme is not None:
             packer(scheme.kernel).check_options(scheme, method or recipe.method, gptq_input=True)
-        if method is not None and method not in METHODS + ("gptq",):
+        if method is not None and method not in METHODS + ("gptq", GPTQMODEL):
             raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS)} (for what is requantised)")
-        if method == "gptq" or gptq is not None:
+        if method in ("gptq", GPTQMODEL) or gptq is not None:
             raise EdgeqError(f"{src}: the input is already GPTQ-quantised; edgeq repacks it exactly (drop --method gptq "
                              "and the calibration options), or calibrate the original float model")
         plan = build_gptq_plan(ckpt, gcfg, scheme, method or recipe.method, recipe, requantize=requantize,
                                head_from=head_from)
         return ckpt, plan, recipe
-    if method is not None and method not in METHODS + ("gptq",):
-        raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS + ('gptq',))}")
+    if method is not None and method not in METHODS + ("gptq", GPTQMODEL):
+        raise EdgeqError(f"unknown method {method!r}; valid: {', '.join(METHODS + ('gptq', GPTQMODEL))}")
     refuse_quantized_input(ckpt)
     if requantize or head_from is not None:
         raise EdgeqError(f"{src}: --requantize and --head-from apply to GPTQ input; this checkpoint is not quantised")
     method = method or recipe.method
-    if gptq is not None and method != "gptq":
-        raise EdgeqError("--calib, --nsamples, --seqlen, --act-order and --damp apply to --method gptq")
+    if gptq is not None and method not in ("gptq", GPTQMODEL):
+        raise EdgeqError("--calib, --nsamples, --seqlen, --act-order and --damp apply to --method gptq (and gptqmodel)")
     scheme = scheme or Scheme.parse(recipe.scheme)
     packer(scheme.kernel).check_options(scheme, method)
     if method == "gptq":
         return ckpt, gptq_plan(ckpt, scheme, recipe, gptq or GPTQOptions()), recipe
+    if method == GPTQMODEL:  # GPTQModel's quantiser (the gptq extra), its output ingested exactly at convert time
+        return ckpt, gptqmodel_plan(ckpt, scheme, recipe, gptq or GPTQOptions()), recipe
     return ckpt, build_plan(ckpt, scheme, method, recipe), recipe
 
 
@@ -165,7 +169,7 @@ def _inputs(ckpt: Checkpoint, plan: Plan) -> list[Path]:
     """Everything the conversion reads, which no output may replace or contain: the model directory, its weight
     files (they may be symlinks into another directory, as in the hub cache), --head-from, --calib."""
     found = [ckpt.root, *ckpt.files, *(Path(e.origin) for e in plan.entries if e.origin)]
-    if plan.method == "gptq":
+    if plan.method in ("gptq", GPTQMODEL):
         found.append(Path(plan.options.calib))
     return found
 
@@ -198,7 +202,8 @@ def convert(
     _check_output(out, force, plan.bytes_out + (64 << 20))
     windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced
-        stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
+        with quantized(ckpt, plan, rec, tmp) as (ckpt, plan):  # gptqmodel: GPTQModel's output in tmp, ingested exactly
+            stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
     warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
     for w in warnings:
         say(f"warning: {w}")

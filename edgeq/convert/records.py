@@ -16,6 +16,8 @@ import torch
 
 from edgeq.convert import card
 from edgeq.convert.embeddings import format_version, manifest_record
+from edgeq.convert.gptqmodel import METHOD as GPTQMODEL
+from edgeq.convert.gptqmodel import describe as describe_gptqmodel
 from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.ingest_stream import describe as describe_ingest
 from edgeq.convert.packers import packer
@@ -95,8 +97,8 @@ def _head_method(plan: Plan) -> str:
 
 def notes(plan: Plan, details: dict) -> list[str]:
     """The choices ``edgeq quantize`` reports, one line each (GPTQ ingest and calibration; none for rtn/minmax)."""
-    if plan.method == INGEST_METHOD:
-        lines = describe_ingest(plan)
+    if plan.method in (INGEST_METHOD, GPTQMODEL):
+        lines = describe_gptqmodel(plan) + describe_ingest(plan)
         ex = details.get("exactness", {})
         if ex.get("repacked_modules"):
             lines.append(f"exactness: largest repack error {ex['max_error_over_scale']:.4f} of a quantisation step "

@@ -18,7 +18,6 @@ import torch
 
 from edgeq.convert import ingest_stream as ingest
 from edgeq.convert.embeddings import write_levels
-from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry
 from edgeq.errors import EdgeqError
@@ -99,5 +98,5 @@ def stream(ckpt: Checkpoint, plan: Plan, record: Any, writer: ShardedWriter, pro
         else:
             copy_entry(ckpt, e, writer, progress)
         anon_peak = max(anon_peak, rss()[0])
-    details = ingest.ingest_summary(plan, ingested) if plan.method == INGEST_METHOD else {}
+    details = ingest.ingest_summary(plan, ingested) if ingested else {}  # GPTQ input (ingest, gptqmodel)
     return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}
