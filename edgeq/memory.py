@@ -5,12 +5,15 @@ behave differently:
 
 - **mapped** (file-backed, ``RssFile``; shared with the page cache, droppable under pressure, never copied): every
   tensor the runtime uses as stored, through a private read-only mapping of the shards. That is the packed tensors
-  (``*.qweight`` uint8 [N, K/2], ``*.scales_and_zeros`` bf16 [K/G, N, 2]) and every unquantised tensor already in
-  bf16 (embeddings, norms, biases: all of an edgeq checkpoint's). Pages count once touched; the projection assumes
+  (``*.qweight`` uint8 [N, K/2], ``*.scales_and_zeros`` bf16 [K/G, N, 2]), a packed embedding's levels (the same two
+  tensors per level, read in place with the stored layout even when the linears are repacked; a tied table's level 0
+  is the head's), every unquantised tensor already in bf16 (embeddings, norms, biases: all of an edgeq checkpoint's)
+  and every non-float tensor. Pages count once touched; the projection assumes
   all are (the whole model runs every token).
 - **anonymous** (``RssAnon``), allocated by the runtime:
     - casts: an unquantised float tensor not stored in bf16 is copied to bf16 (``numel * 2``);
-    - repacks: when the stored layout is not this machine's, every ``qweight`` is repacked into a copy of its size;
+    - repacks: when the stored layout is not this machine's, every quantised module's ``qweight`` is repacked into
+      a copy of its size (a packed embedding's own levels are not: they are read with the stored layout);
     - the static KV cache, preallocated at load::
 
           bytes_per_token = 2 (K and V) * num_hidden_layers * num_key_value_heads * head_dim * 2 (bf16)
@@ -99,6 +102,12 @@ class MemoryProjection:
     problems: tuple[str, ...] = ()
 
 
+def is_float(code: str) -> bool:
+    """A floating safetensors dtype code (F16, BF16, F32, F64, F8_*): the runtime casts those to bf16; it uses every
+    other tensor as stored (a packed embedding level's U8 ``qweight``, an int64 ``M.perm``)."""
+    return code.startswith("F") or code == "BF16"
+
+
 def kv_geometry(config: dict) -> KVGeometry:
     """Layers, KV heads and head_dim from a config.json dict (a nested ``text_config`` wins, as for VLMs)."""
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -156,7 +165,7 @@ def project(
     for t in tensors:
         if t.qweight and repack:
             anon_weights += t.nbytes
-        elif t.packed or t.dtype == "BF16":
+        elif t.packed or t.dtype == "BF16" or not is_float(t.dtype):
             mapped += t.nbytes
         else:
             anon_weights += t.numel * BF16_BYTES

@@ -13,10 +13,12 @@ used here exist unchanged in transformers 5.16 to 5.24; nothing else of transfor
    the checkpoint's config and manifest are validated, its safetensors files are mapped (MAP_PRIVATE), and every
    quantised Linear becomes edgeq's ``Int4Linear`` (tinygemm_w4a16) or ``W4A8Linear`` (amx_w4a8) over the mapped
    packed bytes -- the same functions ``edgeq.runtime.load`` calls, so the same checks, the same layout repack
-   warning, the same kernel choice. No bf16 weight of a quantised module ever exists. The tensors those modules
-   consume (``M.qweight``, ``M.scales_and_zeros`` / ``M.scales`` / ``M.zeros``, ``M.perm``, ``M.bias``) are added to
-   the model's ``_keys_to_ignore_on_load_unexpected``: transformers does not load or report them.
-4. transformers loads the remaining tensors (embeddings, norms) its own way.
+   warning, the same kernel choice; a packed (4-bit) input embedding becomes ``PackedEmbedding``
+   (edgeq/runtime/embedding.py). No bf16 weight of a quantised module ever exists. The tensors those modules
+   consume (``M.qweight``, ``M.scales_and_zeros`` / ``M.scales`` / ``M.zeros``, ``M.perm``, ``M.bias``, a packed
+   embedding's levels) are added to the model's ``_keys_to_ignore_on_load_unexpected``: transformers does not load
+   or report them, and a packed embedding has no ``weight`` for it to look for.
+4. transformers loads the remaining tensors (a bf16 embedding table, norms) its own way.
 5. ``_process_model_after_weight_loading``: the W4A16 prefill scratch and crossover, as ``edgeq.runtime.load`` sizes
    them, and ``model.edgeq`` (:class:`EdgeqState`: paths taken, mapped bytes, kernel choice).
 

@@ -285,9 +285,10 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
 
 def describe_paths(s) -> str:
     """``w4a16-g128, decode native_decode, prefill dequant_prefill (M >= 16)`` from RuntimeSettings; a bf16 model
-    has no crossover, so none is printed."""
+    has no crossover, so none is printed; a packed embedding is named (``, embeddings packed 4-bit (...)``)."""
     xover = f" (M >= {s.prefill_crossover})" if s.prefill_crossover is not None else ""
-    return f"{s.scheme or 'bf16'}, decode {s.decode_path}, prefill {s.prefill_path}{xover}"
+    emb = f", embeddings {s.embeddings}" if s.embeddings != "bf16" else ""
+    return f"{s.scheme or 'bf16'}, decode {s.decode_path}, prefill {s.prefill_path}{xover}{emb}"
 
 
 def generation_record(path, lm, r: GenerationResult, load_seconds: float) -> dict:
@@ -302,5 +303,6 @@ def generation_record(path, lm, r: GenerationResult, load_seconds: float) -> dic
         "paths": {"scheme": s.scheme or "bf16", "decode_path": s.decode_path, "prefill_path": s.prefill_path,
                   "prefill_crossover": s.prefill_crossover, "decode_loop": s.decode_loop,
                   "calls": dict(lm.path_counts), "loop_calls": dict(lm.loop_counts)},
-        "settings": {"max_model_len": s.max_model_len, "max_cached_tokens": s.max_cached_tokens, "threads": s.threads},
+        "settings": {"max_model_len": s.max_model_len, "max_cached_tokens": s.max_cached_tokens, "threads": s.threads,
+                     "embeddings": s.embeddings},
     }

@@ -7,7 +7,8 @@ transformers forward; :func:`support` says why, and ``settings.decode_loop`` rep
 
 Nothing is copied: the decoder holds references to the loaded modules and tensors (every projection and the head
 are the model's :class:`~edgeq.runtime.qlinear.Int4Linear`, or ``nn.Linear`` for a bf16 reference checkpoint; the
-embedding and the norm weights are the mapped bf16 views) and writes keys and values into the same
+norm weights and a bf16 embedding are the mapped views, a packed embedding decodes the token's row from its mapped
+4-bit levels: :func:`edgeq.runtime.embedding.row_reader`) and writes keys and values into the same
 :class:`~edgeq.runtime.kvcache.StaticKVCache` the transformers forward uses, so a prompt prefilled by transformers
 continues here. What it owns, allocated once at construction: RoPE tables for ``max_model_len`` positions and
 the activation buffers of one token that its decode ops use (the other ops' only if it is switched to them). A step
@@ -45,7 +46,7 @@ from torch.nn import functional as F
 
 from edgeq.env import DECODE_OPS as ENV_DECODE_OPS, choice
 from edgeq.errors import EdgeqError
-from edgeq.runtime import native
+from edgeq.runtime import embedding, native
 
 DECODE_OPS = ("auto", "native", "torch")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -66,8 +67,8 @@ def support(model: nn.Module, config) -> str | None:
     rope = getattr(rotary, "rope_type", None)
     if rope not in STATIC_ROPE:
         return f"{family}: rope_type {rope!r} (the lean loop implements {', '.join(STATIC_ROPE)})"
-    if not isinstance(getattr(body, "embed_tokens", None), nn.Embedding):
-        return f"{family}: no embed_tokens embedding"
+    if embedding.row_reader(getattr(body, "embed_tokens", None)) is None:
+        return f"{family}: no embed_tokens embedding (an unscaled bf16 table or edgeq's packed one)"
     for i, layer in enumerate(body.layers):
         attn, mlp = layer.self_attn, layer.mlp
         mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -182,8 +183,7 @@ class LeanDecoder:
         body = model.model
         self.cache = cache
         self.counts = counts
-        self.embed = body.embed_tokens.weight  # the mapped bf16 view
-        self.dtype = self.embed.dtype
+        self.embed_rows, self.dtype, self.embed = embedding.row_reader(body.embed_tokens)  # the table, never a copy
         self.layers = [_Layer(layer, cache.layers[i], self.family, config, counts) for i, layer in enumerate(body.layers)]
         self.w_final, self.eps_final = body.norm.weight, _eps(body.norm)
         self.eps_final_f = float(body.norm.variance_epsilon)
@@ -193,7 +193,7 @@ class LeanDecoder:
         self.kv_heads = int(cache.layers[0].keys.shape[1])
         self.heads = self.layers[0].q.out_features // self.head_dim
         self.gqa = self.heads != self.kv_heads
-        self.hidden = int(self.embed.shape[1])
+        self.hidden = int(body.embed_tokens.embedding_dim)
         self.max_positions = int(max_model_len)
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
         ops, self.ops_reason = ops_choice(ops)
@@ -274,7 +274,7 @@ class LeanDecoder:
             raise EdgeqError(f"position {p} is past the RoPE table of max_model_len={self.max_positions} positions")
         self.token.fill_(token)
         self.pos.fill_(p)
-        torch.index_select(self.embed, 0, self.token, out=self.x)
+        self.embed_rows(self.token, self.x)
         torch.index_select(self.cos, 0, self.pos, out=self.cos_p)
         torch.index_select(self.nsin, 0, self.pos, out=self.nsin_p)
         if self._ops == "native":

@@ -27,7 +27,7 @@ from edgeq.io.manifest import read_json
 from edgeq.io.mapped import MappedFiles
 from edgeq.io.safetensors import sha256_file
 from edgeq.keys import CONFIG, MANIFEST
-from edgeq.runtime import fused, lean
+from edgeq.runtime import embedding, fused, lean
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
 from edgeq.runtime.sizes import format_bytes, parse_bytes
@@ -64,6 +64,7 @@ class RuntimeSettings:
     decode_ops_reason: str = ""
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
+    embeddings: str = "bf16"  # the input embedding: "bf16" (mapped table) or "packed 4-bit (<levels>)", embedding.py
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
@@ -178,7 +179,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         mapped_bytes=attached["mapped"] + (swapped.mapped_bytes if swapped else 0),
         copied_bytes=attached["copied"] + (swapped.copied_bytes if swapped else 0),
         **_path_settings(swapped), decode_loop=loop_used, decode_loop_reason=loop_reason, **_lean_settings(decoder),
-        fused_mlps=fused.fuse_mlps(model),
+        fused_mlps=fused.fuse_mlps(model), embeddings=swapped.embeddings if swapped else "bf16",
     )
     _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config,
@@ -190,7 +191,7 @@ def _build(config, files: MappedFiles, info: QuantInfo | None, counts: Counter, 
     """(model, SwapResult or None, attach stats): the meta model of ``config``, its quantised modules swapped in over
     the mapped packed bytes (scales checked finite first), then every other tensor attached as a mapped view."""
     if info:
-        check_scales(files, info.quantized_modules)
+        check_scales(files, (*info.quantized_modules, *embedding.level_modules(info)))
     model = skeleton.build_meta_model(config, dtype)
     swapped = swap(model, files, info, counts, strict, stacklevel=3) if info else None  # warns at load()'s caller
     tie = not info and bool(getattr(config, "tie_word_embeddings", False))
@@ -222,9 +223,9 @@ SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale 
 
 
 def check_scales(files: MappedFiles, modules) -> None:
-    """Every scale and zero of the quantised ``modules`` must be finite: one NaN/Inf scale turns every output of its
-    group into NaN/Inf (then the logits). Reads only the scales (about 3% of a g128 checkpoint). W4A8 zero points
-    are int8, finite by construction."""
+    """Every scale and zero of the quantised ``modules`` (packed embedding levels included) must be finite: one NaN/Inf
+    scale turns every output of its group into NaN/Inf (then the logits). Reads only the scales (about 3% of a g128
+    checkpoint). W4A8 zero points are int8, finite by construction."""
     for name in modules:
         for suffix in SCALE_SUFFIXES:
             if f"{name}{suffix}" not in files:

@@ -1,11 +1,11 @@
 """``repack(path)``: rewrite an edgeq checkpoint's packed weights for this machine's kernel layout.
 
-Every ``*.qweight`` is unpacked with the layout recorded in the manifest and packed with the target layout (this
-machine's :func:`~edgeq.layouts.tinygemm.probe` by default); every other tensor and file is copied unchanged. The
-result is written into a temporary sibling directory and renamed into place (fsynced; the old directory is renamed
-aside first and removed last), so an interruption (Ctrl-C, SIGTERM, SIGKILL, power loss) leaves either the old or the
-new checkpoint, never a mix. An explicit output may not be, contain or lie inside the input
-(edgeq/io/writer.py).
+Every ``*.qweight`` (of the quantised modules and of a packed embedding's levels) is unpacked with the layout
+recorded in the manifest and packed with the target layout (this machine's :func:`~edgeq.layouts.tinygemm.probe` by
+default); every other tensor and file is copied unchanged. The result is written into a temporary sibling directory
+and renamed into place (fsynced; the old directory is renamed aside first and removed last), so an interruption
+(Ctrl-C, SIGTERM, SIGKILL, power loss) leaves either the old or the new checkpoint, never a mix. An explicit output
+may not be, contain or lie inside the input (edgeq/io/writer.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from edgeq.io.writer import prepare_output, staging
 from edgeq.keys import CONFIG, MANIFEST, Kernel
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
+from edgeq.runtime.embedding import level_modules
 from edgeq.runtime.qinfo import KERNELS, QuantInfo, read_checkpoint
 
 
@@ -80,7 +81,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         raise EdgeqError(f"{dst}: exists and is not empty; choose another output directory")
     t0 = time.perf_counter()
     files = MappedFiles(src)
-    quantized = set(info.quantized_modules)
+    quantized = set(info.quantized_modules) | set(level_modules(info))  # a packed embedding's levels: same layout
     count = nbytes = 0
     with staging(dst, "repack") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to dst, fsynced
         shards = sorted({i.file for i in files.tensors.values()})

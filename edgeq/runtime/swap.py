@@ -20,6 +20,7 @@ from torch import nn
 from edgeq.errors import EdgeqError
 from edgeq.io import skeleton
 from edgeq.layouts.base import get
+from edgeq.runtime.embedding import swap_embeddings
 
 
 class LayoutRepackWarning(UserWarning):
@@ -45,6 +46,7 @@ class SwapResult:
     prefill_crossover: int | None = None  # set by finish() for a two-path runtime
     crossover_source: str = "n/a"  # "override" | "measured" | "cached" | "n/a"
     scratch_bytes: int = 0
+    embeddings: str = "bf16"  # "bf16" (the mapped table) or the packed levels: "packed 4-bit (head g32 + ...)"
 
     @property
     def kernel_paths(self) -> tuple[tuple[str, str], ...]:
@@ -65,8 +67,11 @@ def swap(model: nn.Module, files, info, counts, strict_layout: bool = False, sta
     """Replace every quantised Linear of ``model`` (meta or real) listed in ``info`` (:class:`edgeq.runtime.qinfo.
     QuantInfo`) by the kernel's module over ``files`` (:class:`edgeq.io.mapped.MappedFiles`); calls are counted in
     ``counts``. ``strict_layout`` refuses a checkpoint that would need a repack in memory. A repack warns once,
-    attributed ``stacklevel`` frames above this function's caller (1: the caller)."""
+    attributed ``stacklevel`` frames above this function's caller (1: the caller). A packed input embedding (manifest
+    ``embeddings``) becomes a :class:`edgeq.runtime.embedding.PackedEmbedding` over the level tensors, after the head
+    (a tied table's level 0 is the head's module)."""
     result = runtime_class(info.kernel).swap_in(model, files, info, counts, strict_layout=strict_layout)
+    result = swap_embeddings(model, files, info, result)
     if result.warning:
         warnings.warn(result.warning, LayoutRepackWarning, stacklevel=stacklevel + 1)
     return result
