@@ -8,6 +8,7 @@ E = bfloat16(D_0 + D_1) (fp32 add, one round-to-nearest-even).
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -392,3 +393,102 @@ def test_method_gptq_tied(tmp_path, capsys):
     check_residual_against_the_head(FIXTURE, tmp_path / "o", 32, 128)
     header = read_header(tmp_path / "o" / "model.safetensors")[0]
     assert header[f"{TABLE}.qweight"].start > header["lm_head.scales_and_zeros"].start  # written after the head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect and the model card
+
+
+def _poke(ckpt: Path, tensor: str, offset: int, data: bytes) -> None:
+    info = open_checkpoint(ckpt).tensors[tensor]
+    with open(info.file, "r+b") as f:
+        f.seek(info.start + offset)
+        f.write(data)
+
+
+@pytest.mark.slow
+def test_inspect_reports_the_packed_table(packed, bf16_out):
+    from rich.console import Console
+
+    from edgeq.inspect.report import inspect_checkpoint, render
+
+    r, r0 = inspect_checkpoint(packed[0], verify=True), inspect_checkpoint(bf16_out)
+    assert r.problems == () and r.warnings == () and r0.problems == ()
+    assert (r.edgeq.format_version, r0.edgeq.format_version) == (2, 1)
+    head_bytes = 4096 * 128 + (256 // 32) * 4096 * 4
+    assert r.edgeq.embeddings == {TABLE: {"storage": "packed", "source": f"{TABLE}.weight", "levels": [
+        {"module": "lm_head", "group_size": 32, "bytes": head_bytes, "shared": True},
+        {"module": TABLE, "group_size": 128, "bytes": 557056, "shared": False}], "bytes": 557056, "bf16_bytes": 2 << 20}}
+    assert r0.edgeq.embeddings == {TABLE: {"storage": "bf16", "source": f"{TABLE}.weight", "levels": [],
+                                           "bytes": 2 << 20, "bf16_bytes": 2 << 20}}
+    cats, cats0 = dict(r.bytes_by_category), dict(r0.bytes_by_category)
+    assert (cats.pop("embeddings"), cats0.pop("embeddings")) == (557056, 2 << 20) and cats == cats0
+    assert r.model["parameters"] == r0.model["parameters"]  # the packed parts encode the same V x K parameters
+    assert r.memory.mapped_weights == r.files["tensor_bytes"] and r.memory.anon_weights == 0  # mapped as stored
+    assert r0.memory.mapped_weights - r.memory.mapped_weights == (2 << 20) - 557056
+    assert TABLE in r.verify.roundtrip  # the residual's bytes unpack and pack back to themselves
+    con = Console(record=True, width=200)
+    render(r, con)
+    assert (f"embeddings: {TABLE} packed 4-bit = lm_head g32 (the head's) + {TABLE} g128, 544.0 KiB (bf16: 2.0 MiB)"
+            in con.export_text())
+    con = Console(record=True, width=200)
+    render(r0, con)
+    assert f"embeddings: {TABLE} bf16 ({TABLE}.weight), 2.0 MiB" in con.export_text()
+
+
+@pytest.mark.slow
+def test_inspect_finds_a_broken_table(packed, tmp_path):
+    from edgeq.inspect.report import inspect_checkpoint
+
+    ck = tmp_path / "c"
+    shutil.copytree(packed[0], ck)
+    _poke(ck, f"{TABLE}.scales_and_zeros", 0, b"\xc0\x7f")  # the residual's scale of row 0, group 0: NaN
+    p = inspect_checkpoint(ck, verify=True).problems
+    assert f"model.safetensors: tensor {TABLE}.scales_and_zeros: 1 NaN/Inf scales" in p
+    assert f"packed embedding {TABLE}: 1 row(s) decode to NaN/Inf (E = bf16(sum of the levels)); a level's scales or " \
+           "zeros are not finite" in p
+    man = json.loads((ck / "edgeq_manifest.json").read_text())  # a record whose group size the tensors do not fit
+    man["embeddings"][TABLE]["levels"][1]["group_size"] = 64
+    (ck / "edgeq_manifest.json").write_text(json.dumps(man))
+    p = inspect_checkpoint(ck).problems
+    assert f"edgeq_manifest.json: packed embedding {TABLE}: level {TABLE} g64: {TABLE}.scales_and_zeros is BF16 " \
+           "[2, 4096, 2], expected BF16 [4, 4096, 2] (the table is [4096, 256])" in p
+
+
+@pytest.mark.slow
+def test_card_states_the_packed_table(packed, bf16_out):
+    row = ("| embeddings | `model.embed_tokens` packed 4-bit, decoded per token: `lm_head` g32 (the head's own tensors) "
+           "+ `model.embed_tokens` g128 (a residual level); 0.53 MiB instead of 2.00 MiB in bf16 |")
+    assert row in (packed[0] / "README.md").read_text().splitlines()
+    assert "| embeddings |" not in (bf16_out / "README.md").read_text()  # a bf16 table: the card as before
+
+
+def test_untied_inspect_and_card(untied):
+    from edgeq.inspect.report import inspect_checkpoint
+
+    out = untied[1]
+    r = inspect_checkpoint(out, verify=True)
+    assert [p for p in r.problems if "no tokenizer files" not in p] == []  # a random model without a tokenizer
+    levels = r.edgeq.embeddings[TABLE]["levels"]
+    assert [(lv["module"], lv["group_size"], lv["shared"]) for lv in levels] == [(TABLE, 32, False),
+                                                                              (f"{TABLE}.residual", 128, False)]
+    assert r.edgeq.embeddings[TABLE]["bytes"] == 37888 and r.bytes_by_category["embeddings"] == 37888
+    assert {TABLE, f"{TABLE}.residual"} <= set(r.verify.roundtrip) and r.memory.anon_weights == 0
+    assert "`model.embed_tokens` g32 + `model.embed_tokens.residual` g128 (a residual level); 0.04 MiB instead of " \
+           "0.06 MiB in bf16" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_written_check_refuses_levels_that_do_not_fit(packed, tmp_path):
+    """convert/verify.py re-opens what was written: a level whose tensors do not fit the record is refused."""
+    from edgeq.convert.verify import verify_written
+
+    ck = tmp_path / "c"
+    shutil.copytree(packed[0], ck)
+    verify_written(ck, "lm_head")
+    man = json.loads((ck / "edgeq_manifest.json").read_text())
+    man["embeddings"][TABLE]["levels"][1]["group_size"] = 64
+    (ck / "edgeq_manifest.json").write_text(json.dumps(man))
+    with pytest.raises(EdgeqError, match=rf"packed embedding {TABLE}: {TABLE}.scales_and_zeros is BF16 \[2, 4096, 2\], "
+                                         r"expected BF16 \[4, 4096, 2\]"):
+        verify_written(ck, "lm_head")

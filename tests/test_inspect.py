@@ -587,7 +587,7 @@ def _keys(x, prefix="") -> set[str]:
 
 
 OPEN_MAPS = (".edgeq.modules_not_converted", ".edgeq.created_by", ".edgeq.layout_stored", ".edgeq.layout_machine",
-             ".foreign.details", ".verify.shards")
+             ".edgeq.embeddings", ".foreign.details", ".verify.shards")
 GOLDEN_TOP = {"schema_version", "path", "kind", "model", "files", "bytes_by_category", "effective_bits",
               "bits_per_parameter", "edgeq", "foreign", "schemes", "memory", "memory_basis", "problems", "warnings",
               "verify", "tensors"}
@@ -597,7 +597,7 @@ GOLDEN = {
     ".bytes_by_category": {"quantized_linears", "linears_unquantized", "head", "embeddings", "norms", "other"},
     ".edgeq": {"format_version", "scheme", "group_size", "group_sizes", "method", "kernel", "layout_stored", "layout_machine",
                "layout_matches", "on_load", "head_quantized", "head_source", "untied", "quantized_modules",
-               "modules_not_converted", "created_by"},
+               "modules_not_converted", "created_by", "embeddings"},
     ".foreign": {"format", "quant_method", "bits", "group_size", "symmetric", "act_order", "head", "quantized_modules",
                  "bits_seen", "group_sizes_seen", "unquantized_linears", "details"},
     ".schemes[]": {"scheme", "bytes_out", "ratio", "effective_bits", "cannot_quantize"},

@@ -69,19 +69,22 @@ def resolve_storage(flag: str | None, recipe: Recipe, scheme: Scheme) -> Embeddi
     return storage if can else EmbeddingStorage.BF16
 
 
-def pack_plan(plan: Plan, recipe: Recipe, storage: EmbeddingStorage) -> Plan:
+def pack_plan(plan: Plan, recipe: Recipe, storage: EmbeddingStorage, explicit: bool = True) -> Plan:
     """``plan`` with its input embedding table (the first of the recipe's embeddings it has) written as packed
     levels, moved after every other entry (its residual reads the head back); unchanged for bf16. A level the
-    layout cannot take (K not a multiple of G, V not of 16) is a plan problem with the fix."""
+    layout cannot take (K not a multiple of G, V not of 16) is a plan problem with the fix. No 2-D table to pack is
+    an error when packed was asked for (``explicit``: --embeddings), else the table stays as it is (a recipe's
+    default)."""
     if storage != EmbeddingStorage.PACKED:
         return plan
     by_name = {e.name: e for e in plan.entries}
     emb = next((by_name[n] for n in recipe.embeddings if n in by_name and by_name[n].role == Role.EMBEDDING), None)
-    if emb is None:
-        raise EdgeqError(f"--embeddings packed: the checkpoint has none of the recipe's embeddings "
-                         f"({', '.join(recipe.embeddings)}); use --embeddings bf16")
-    if len(emb.shape) != 2:
-        raise EdgeqError(f"--embeddings packed: {emb.name} is {list(emb.shape)}, not a 2-D table; use --embeddings bf16")
+    if emb is None or len(emb.shape) != 2:
+        if not explicit:
+            return plan
+        what = f"{emb.name} is {list(emb.shape)}, not a 2-D table" if emb else \
+            f"the checkpoint has none of the recipe's embeddings ({', '.join(recipe.embeddings)})"
+        raise EdgeqError(f"--embeddings packed: {what}; use --embeddings bf16")
     levels = _levels(plan, emb)
     problems = []
     for lv in levels:

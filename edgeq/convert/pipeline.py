@@ -115,7 +115,8 @@ def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_n
     the recipe's; edgeq/convert/embeddings.py). Nothing but headers and config is read (GPTQ input: also each
     layer's g_idx)."""
     ckpt, plan, recipe = _prepare(src, scheme, method, recipe_name, requantize=requantize, head_from=head_from, gptq=gptq)
-    return ckpt, pack_plan(plan, recipe, resolve_storage(embeddings, recipe, plan.scheme)), recipe
+    storage = resolve_storage(embeddings, recipe, plan.scheme)
+    return ckpt, pack_plan(plan, recipe, storage, explicit=embeddings is not None), recipe
 
 
 def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,

@@ -7,6 +7,7 @@ Where each concern lives (callers import :func:`edgeq.inspect.report.inspect_che
 - ``schema.py``   the report's frozen dataclasses: the ``--json`` schema (docs/inspect.md)
 - ``kinds.py``    kind detection (edgeq / hf / foreign), quantised modules by tensor suffix, roles, byte categories
 - ``checks.py``   an edgeq checkpoint: manifest vs config.json vs the safetensors headers
+- ``embeddings.py`` the input embedding table: bf16, or packed 4-bit levels (headers, bytes, --verify's decode)
 - ``packed.py``   what depends on the packed format (shapes, layout record, round trip, memory): one
                   implementation for every :class:`edgeq.keys.Kernel`, asking its :mod:`edgeq.layouts` layout
 - ``hf.py``       a float checkpoint: every w4a16 scheme's plan, and the default scheme's memory

@@ -18,6 +18,7 @@ from edgeq.io.manifest import Manifest, read_manifest
 from edgeq.keys import HEAD_MODULE, MANIFEST, Role
 from edgeq.layouts.base import get as get_layout
 from edgeq.scheme import Scheme
+from edgeq.inspect.embeddings import embedding_info, parameters
 from edgeq.inspect.kinds import QUANT_PARTS, quant_modules, rows, unquantized_params
 from edgeq.inspect.packed import packed_checks
 from edgeq.inspect.schema import EdgeqInfo, QModule, TensorRow
@@ -52,6 +53,8 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
     tied_source = head.get("source", f"{HEAD_MODULE}.weight") != f"{HEAD_MODULE}.weight"
     params = sum(m.numel for m in modules.values() if not (m.name == HEAD_MODULE and tied_source))
     params += unquantized_params(rows_)
+    embeddings = embedding_info(ckpt, manifest, recipe, problems)
+    params += parameters(embeddings)  # a packed table's V*K, which its quantised parts encode
     if ckpt.config.get("tie_word_embeddings") is not False:
         problems.append(f"config.json: tie_word_embeddings is {ckpt.config.get('tie_word_embeddings')!r}; an edgeq "
                         "checkpoint stores its own quantised head and must say false (a loader would tie the head "
@@ -65,7 +68,7 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
         head_quantized=bool(head.get("quantized")) and HEAD_MODULE in modules, head_source=str(head.get("source")),
         untied=bool(head.get("untied")), quantized_modules=len(modules),
         modules_not_converted=dict(manifest.modules_not_converted), created_by=dict(manifest.created_by),
-        group_sizes=tuple(sorted(manifest.group_sizes.items())),
+        group_sizes=tuple(sorted(manifest.group_sizes.items())), embeddings=embeddings,
     )
     bits = 8 * q_bytes / q_weights if q_weights else None
     return EdgeqFindings(info, rows_, modules, params, bits, manifest)

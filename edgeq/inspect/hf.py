@@ -1,7 +1,8 @@
 """A plain Hugging Face (float) checkpoint: what ``edgeq quantize`` would write with each w4a16 scheme, and what
 serving the recipe's default scheme's output would cost.
 
-Both come from :func:`edgeq.convert.plan.build_plan`, the plan the quantizer itself builds, so inspect and quantize
+Both come from :func:`edgeq.convert.plan.build_plan` (with the embedding table as the recipe stores it:
+:func:`edgeq.convert.embeddings.pack_plan`), the plan the quantizer itself builds, so inspect and quantize
 cannot disagree about which tensors can be quantised.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from edgeq.convert.embeddings import pack_plan, resolve_storage
 from edgeq.convert.plan import Plan, build_plan, effective_bits
 from edgeq.convert.recipe import Recipe
 from edgeq.errors import EdgeqError
@@ -28,8 +30,9 @@ def scheme_options(ckpt: Checkpoint, recipe: Recipe, problems: list[str]) -> tup
     default = Scheme.parse(recipe.scheme)
     for g in get_layout(Kernel.W4A16).group_sizes:
         scheme = Scheme(activation_bits=16, group_size=g)
-        try:
+        try:  # the embedding table as the recipe stores it (edgeq/convert/embeddings.py), as quantize would
             plan = build_plan(ckpt, scheme, recipe.method, recipe)
+            plan = pack_plan(plan, recipe, resolve_storage(None, recipe, scheme), explicit=False)
         except EdgeqError as e:
             problems.append(str(e))
             return [], None
@@ -50,7 +53,10 @@ def plan_memory(plan: Plan, geometry: KVGeometry, kv_cache_bytes: int, max_model
     qweight, params = get_layout(Kernel.W4A16).suffixes
     tensors, quantized = [], []
     for e in plan.entries:
-        if e.action == Action.QUANTIZE and e.bytes_out:
+        if e.action == Action.PACK_EMBEDDING and e.bytes_out:  # its own levels, mapped as stored, never repacked
+            tensors += [MemTensor(n, d, math.prod(s), math.prod(s) * (2 if d == "BF16" else 1), packed=True)
+                        for n, d, s in e.out_tensors(plan.scheme)]
+        elif e.action == Action.QUANTIZE and e.bytes_out:
             n, k = e.shape
             tensors += [MemTensor(f"{e.module}{qweight}", "U8", n * k // 2, n * k // 2, packed=True, qweight=True),
                         MemTensor(f"{e.module}{params}", "BF16", 0, e.bytes_out - n * k // 2, packed=True)]

@@ -64,6 +64,18 @@ def _render_edgeq(report: InspectReport, out) -> None:
     head = f"head quantised ({'untied from ' + e.head_source if e.untied else 'from ' + e.head_source})"
     mnc = ", ".join(f"{k} ({v})" for k, v in e.modules_not_converted.items()) or "none"
     out.print(f"  {head} · {e.quantized_modules} quantised modules · not converted: {mnc}", highlight=False)
+    for module, t in e.embeddings.items():
+        out.print(f"  embeddings: {embedding_line(module, t)}", highlight=False)
+
+
+def embedding_line(module: str, t: dict) -> str:
+    """E.g. ``model.embed_tokens packed 4-bit = lm_head g32 (the head's) + model.embed_tokens g128, 544.0 KiB
+    (bf16: 2.0 MiB)`` or ``model.embed_tokens bf16 (model.embed_tokens.weight), 2.0 MiB``."""
+    if t["storage"] != "packed":
+        return f"{module} bf16 ({t['source']}), {mib(t['bytes'])}"
+    levels = " + ".join(f"{lv['module']} g{lv['group_size']}" + (" (the head's)" if lv["shared"] else "")
+                        for lv in t["levels"])
+    return f"{module} packed 4-bit = {levels}, {mib(t['bytes'])} (bf16: {mib(t['bf16_bytes'])})"
 
 
 def _render_foreign(fi: ForeignInfo, out) -> None:

@@ -4,7 +4,8 @@ By default only ``config.json``, the index, the manifest and the safetensors hea
 (``--verify`` reads the data too, in blocks). Three kinds of checkpoint:
 
 - **edgeq** (``quantization_config.quant_method == "edgeq"``): scheme, method, kernel, the stored layout fingerprint
-  against this machine's (the probe), the head, bytes by category and bits per weight, modules not converted,
+  against this machine's (the probe), the head, the embedding table (bf16 or packed levels: edgeq/inspect/
+  embeddings.py), bytes by category and bits per weight, modules not converted,
   consistency of manifest, config and headers, and the memory projection (:mod:`edgeq.memory`).
 - **hf** (a float checkpoint): what each w4a16 scheme would write and which tensors it cannot quantise, from
   :func:`edgeq.convert.plan.build_plan`, the very plan ``edgeq quantize`` builds; the memory projection is for
@@ -28,6 +29,7 @@ from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.manifest import Manifest
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry
 from edgeq.inspect.checks import inspect_edgeq
+from edgeq.inspect.embeddings import packed_parts
 from edgeq.inspect.foreign import inspect_foreign
 from edgeq.inspect.hf import plan_memory, scheme_options
 from edgeq.inspect.kinds import (by_category, detect_kind, files_info, model_info, quant_modules, recipe_for, rows,
@@ -109,7 +111,8 @@ def _edgeq(ckpt: Checkpoint, rec: Recipe, strict_layout: bool, memory_args: tupl
         problems.append(no_tokenizer)
     checks = packed_checks(found.info.kernel)
     repack = not found.info.layout_matches and checks.repacks_on_load
-    memory = checks.memory(ckpt, found.modules, *memory_args, repack=repack)
+    tables = frozenset(packed_parts(found.manifest, found.info.embeddings))
+    memory = checks.memory(ckpt, found.modules, *memory_args, repack=repack, embedding_parts=tables)
     basis = "as stored" + ("; qweights repacked into anonymous memory at load" if repack else "")
     return _KindReport(found.rows, found.params, found.bits, memory, basis, edgeq=found.info,
                        manifest=found.manifest, modules=found.modules)

@@ -6,7 +6,7 @@ a schema change (bump :data:`SCHEMA_VERSION` unless it only adds keys).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from edgeq.memory import MemoryProjection
@@ -57,6 +57,9 @@ class EdgeqInfo:
     modules_not_converted: dict
     created_by: dict
     group_sizes: tuple = ()  # ((module, G), ...) where a recipe made G finer than the scheme's
+    # {module: {"storage": "bf16"|"packed", "source", "levels": [{"module", "group_size", "bytes", "shared"}], "bytes",
+    # "bf16_bytes"}}: the input embedding table as stored (edgeq/inspect/embeddings.py)
+    embeddings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

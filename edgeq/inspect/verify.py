@@ -1,7 +1,8 @@
 """``edgeq inspect --verify``: read the tensor data too, in blocks of :data:`VERIFY_BLOCK_BYTES`.
 
 Shard sha256 against the manifest; NaN/Inf in every float tensor, scales positive, zero points finite; an
-unpack -> pack round trip with the stored layout on a sample of modules (the kernel's layout's, :mod:`edgeq.inspect.packed`);
+unpack -> pack round trip with the stored layout on a sample of modules (the kernel's layout's, :mod:`edgeq.inspect.packed`)
+and on a packed embedding's own levels, whose decoded rows must be finite (:mod:`edgeq.inspect.embeddings`);
 a float head that is a byte copy of the embedding; and the model the config builds against the tensor shapes.
 """
 
@@ -17,6 +18,7 @@ from edgeq.io.hf import Checkpoint
 from edgeq.io.manifest import Manifest
 from edgeq.io.safetensors import FLOAT_CODES, TensorInfo, read_tensor, sha256_file
 from edgeq.keys import HEAD_MODULE
+from edgeq.inspect.embeddings import verify_tables
 from edgeq.inspect.kinds import embedding, mib
 from edgeq.inspect.packed import packed_checks
 from edgeq.inspect.schema import QModule, VerifyResult
@@ -117,6 +119,7 @@ def verify(ckpt: Checkpoint, kind: str, manifest: Manifest | None, modules: dict
     if manifest is not None:
         checks = packed_checks(manifest.kernel)
         roundtrip = checks.roundtrip(ckpt, manifest, modules, roundtrip_picks(modules), problems)
+        roundtrip += verify_tables(ckpt, manifest, problems)  # a packed embedding's own levels, and E decoded
     return VerifyResult(len(ckpt.tensors), read, time.perf_counter() - t0, shards, tuple(roundtrip))
 
 

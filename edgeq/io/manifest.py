@@ -171,6 +171,9 @@ def _check_embeddings(where: str, record, manifest: Manifest) -> None:
         raise EdgeqError(f"{where} must be an object of embedding module -> record{fix}")
     if record and manifest.format_version == FORMAT_VERSION_BF16_EMBEDDINGS:
         raise EdgeqError(f"{where}: format_version 1 has no packed embeddings (they need 2); the checkpoint is inconsistent{fix}")
+    if record and manifest.kernel != Kernel.W4A16:
+        raise EdgeqError(f"{where}: packed embeddings are {Kernel.W4A16.value} levels, this checkpoint is "
+                         f"{manifest.kernel.value}{fix}")
     head, head_name, modules = manifest.head, manifest.head_name, manifest.quantized_modules
     seen: set[str] = set()
     for module, rec in record.items():
