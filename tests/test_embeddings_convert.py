@@ -492,3 +492,19 @@ def test_the_written_check_refuses_levels_that_do_not_fit(packed, tmp_path):
     with pytest.raises(EdgeqError, match=rf"packed embedding {TABLE}: {TABLE}.scales_and_zeros is BF16 \[2, 4096, 2\], "
                                          r"expected BF16 \[4, 4096, 2\]"):
         verify_written(ck, "lm_head")
+
+
+@pytest.mark.slow
+def test_method_gptq_act_order_head_gets_own_levels(tmp_path, capsys):
+    """An act-order head stores its columns permuted (M.perm), so it is not the table's level 0: the table gets its
+    own rtn level at the head's G and a residual (and the manifest reader takes that for a tied table)."""
+    code, out, err = run_cli(["quantize", FIXTURE, "-o", tmp_path / "o", "-q", "--json", "--method", "gptq",
+                              "--nsamples", "2", "--seqlen", "32", "--act-order", "--embeddings", "packed"], capsys)
+    assert code == 0, err
+    man = read_manifest(tmp_path / "o")
+    assert "lm_head" in man.extra["perm_modules"] and man.head["untied"] is True
+    assert man.embedding_levels(TABLE) == [(TABLE, 32), (f"{TABLE}.residual", 128)]
+    (q0, sz0, _), (q1, sz1, _) = levels_of(tmp_path / "o")
+    w = open_checkpoint(FIXTURE).read(f"{TABLE}.weight")
+    first = quantize_groups(w, 32, "rtn")
+    assert torch.equal(q0, first.q) and torch.equal(sz0, first.scales_and_zeros)

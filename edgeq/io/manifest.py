@@ -160,7 +160,7 @@ def _check_embeddings(where: str, record, manifest: Manifest) -> None:
     """The optional ``embeddings`` record, checked (docs/format.md, "Packed embeddings"): an object of embedding
     module -> {"storage": "packed", "source": str, "levels": [{"module": str, "group_size": G}, ...]}, a non-empty
     list of levels with tinygemm group sizes; level 0 of the table the head was quantised from (head ``untied``,
-    same ``source``, no ``from``) is the head at its own group size; every other level module is its own tensors,
+    same ``source``, no ``from``, not in ``perm_modules``) is the head at its own group size; every other level module is its own tensors,
     named once, neither a quantised module nor in group_sizes; only in format_version 2 or later. ``record``: the
     key as read (``manifest.embeddings`` holds it)."""
     if record is None:
@@ -199,7 +199,8 @@ def _check_embeddings(where: str, record, manifest: Manifest) -> None:
                 raise EdgeqError(f"{at}.levels[{i}]: {m!r} is {'a quantised module' if m in modules else 'named twice'}; "
                                  f"a level other than the head's has its own tensors{fix}")
             seen.add(m)
-        tied = head.get("untied") is True and head.get("source") == rec["source"] and "from" not in head
+        permuted = head_name in (manifest.extra.get("perm_modules") or [])  # act-order: the head's columns are permuted
+        tied = head.get("untied") is True and head.get("source") == rec["source"] and "from" not in head and not permuted
         if tied and levels[0]["module"] != head_name:
             raise EdgeqError(f"{at}: the head {head_name!r} was quantised from {rec['source']}, so level 0 must be "
                              f"the head, not {levels[0]['module']!r}{fix}")
