@@ -2,10 +2,15 @@
 
 - Slicing and split rules (edgeq/integrations/vllm_slices.py): pure torch, run in every environment.
 - Serving (skipped without vLLM; CI runs them in the second environment, .ci/run): the bundled model quantised with
-  `edgeq quantize --scheme w4a16-g128` and `--scheme w4a8-g128`, served by vLLM's offline ``LLM(...)`` with greedy
-  sampling for 32 tokens on four prompts, against ``edgeq.runtime.load``; tensor_parallel_size=2 against 1; a
-  checkpoint packed for another layout is repacked with the runtime's warning, or refused under
-  ``EDGEQ_STRICT_LAYOUT=1`` with the runtime's message, never run as is.
+  `edgeq quantize --scheme w4a16-g128` and `--scheme w4a8-g128` (bf16 embeddings) and `--scheme w4a16-g128
+  --embeddings packed` (the table as the head's 4-bit level plus a residual, no bf16 copy; and, from an untied copy
+  of the model, the table's own two levels), served by vLLM's offline
+  ``LLM(...)`` with greedy sampling for 32 tokens on four prompts, against ``edgeq.runtime.load``; every case also
+  reads vLLM's input embedding of every token id back from the engine, which must equal the runtime's bit for bit
+  (the stored bf16 table, or the packed table's E); tensor_parallel_size=2 against 1 (packed: the head, the
+  embedding's levels and every Linear split); a checkpoint packed for another layout is repacked with the runtime's
+  warning (the embedding's own level too), or refused under ``EDGEQ_STRICT_LAYOUT=1`` with the runtime's message,
+  never run as is.
 
 What "the same tokens" means. The quantised layers are the runtime's own modules on both sides, but vLLM runs its own
 attention, RMSNorm, RoPE and SiLU kernels (and, at tp=2, sums partial products in a bf16 all-reduce), which round
@@ -17,7 +22,9 @@ of it, and vLLM's tokens equal the runtime's greedy ones (tp=2: the tp=1 run's) 
 runtime's best two are within TOL, where either pick is legitimate and the rest of the text may follow it.
 
 Each engine runs in a child process (this file run as a script: vLLM's engine spawns processes and wants a
-``__main__`` guard), which prints one ``EDGEQ_RESULT {json}`` line; one engine serves all prompts of a case.
+``__main__`` guard), which prints one ``EDGEQ_RESULT {json}`` line and saves the embedding rows (``LLM.apply_model``,
+which ships tests/helpers/vllm_probe.py's function to the workers: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, in the
+child only); one engine serves all prompts of a case.
 Both sides run the W4A16 kernel path for every M (``EDGEQ_PREFILL_THRESHOLD=1024`` / ``prefill_threshold=1024``):
 vLLM batches the prompts of one call into one prefill and the decode steps of all sequences into one M, where
 edgeq's runtime runs each prompt alone; the kernel computes each row independently of M, the dequantise + GEMM
@@ -29,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +61,15 @@ MAX_TOKENS = 32
 # nats (module docstring). W4A16: vLLM's own attention/RMSNorm/RoPE/SiLU round differently (measured <= 0.041);
 # W4A8 quantises those slightly different activations to int8 per token, and a value that lands on the other side of
 # a rounding boundary moves by a whole int8 step (measured <= 0.134).
-TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25}
+TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25, "w4a16-g128-packed": 0.1, "w4a16-g128-packed-untied": 0.1}
+# the checkpoints: `edgeq quantize` arguments after the model and -o; the embedding storage is always explicit (the
+# recipe's default may change). "-untied": the bundled model with its own lm_head.weight (_untied_copy), whose
+# packed table stores both levels (model.embed_tokens + model.embed_tokens.residual)
+CHECKPOINTS = {"w4a16-g128": ["--scheme", "w4a16-g128", "--embeddings", "bf16"],
+               "w4a8-g128": ["--scheme", "w4a8-g128", "--embeddings", "bf16"],
+               "w4a16-g128-packed": ["--scheme", "w4a16-g128", "--embeddings", "packed"],
+               "w4a16-g128-packed-untied": ["--scheme", "w4a16-g128", "--embeddings", "packed"]}
+PACKED = "w4a16-g128-packed"
 PROMPTS = ["The cat", "Once upon a time, in a small village,", "def main():\n    return", "Python is"]
 
 
@@ -156,20 +172,62 @@ def test_runtime_decode_matches_its_full_forward_under_this_transformers(fixture
     assert ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
 
 
+@needs_vllm
+def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(checkpoints, tmp_path):
+    """The quant config finds the packed table (by vLLM's prefix; Llama's empty one names the only packed table),
+    reads a tied level 0 from the head layer and the residual from the embedding layer itself; a bf16 checkpoint
+    keeps vLLM's own embedding; a W4A8 checkpoint claiming packed embeddings is refused (by the manifest reader the
+    plugin shares with the runtime)."""
+    from edgeq.integrations import vllm_embedding as emb
+    from edgeq.integrations.vllm import EdgeqConfig
+
+    config = EdgeqConfig({"quant_method": "edgeq"})
+    config.maybe_update_config(str(checkpoints[PACKED]))
+    spec = config.embeddings["model.embed_tokens"]
+    assert spec.levels == (emb.Level("lm_head", config.group_size_of("lm_head")), emb.Level("model.embed_tokens", 128))
+    assert [spec.holder(level) for level in spec.levels] == [None, ""]
+    assert emb.spec_for(config.embeddings, "model.embed_tokens") is spec and emb.spec_for(config.embeddings, "") is spec
+    assert emb.spec_for(config.embeddings, "model.vision.embed_tokens") is None
+    untied = EdgeqConfig({"quant_method": "edgeq"})
+    untied.maybe_update_config(str(checkpoints["w4a16-g128-packed-untied"]))
+    spec = untied.embeddings["model.embed_tokens"]
+    assert [level.module for level in spec.levels] == ["model.embed_tokens", "model.embed_tokens.residual"]
+    assert [spec.holder(level) for level in spec.levels] == ["", "residual"]  # the layer, and a child module of it
+    bf16 = EdgeqConfig({"quant_method": "edgeq"})
+    bf16.maybe_update_config(str(checkpoints["w4a16-g128"]))
+    assert bf16.embeddings == {} and emb.spec_for(bf16.embeddings, "") is None
+
+    doctored = tmp_path / "w4a8-packed"
+    shutil.copytree(checkpoints["w4a8-g128"], doctored)
+    manifest, cfg = json.loads((doctored / "edgeq_manifest.json").read_text()), json.loads((doctored / "config.json").read_text())
+    manifest["format_version"] = cfg["quantization_config"]["format_version"] = 2
+    head_g = manifest.get("group_sizes", {}).get("lm_head", 128)
+    manifest["embeddings"] = {"model.embed_tokens": {"storage": "packed", "source": "model.embed_tokens.weight",
+                                                     "levels": [{"module": "lm_head", "group_size": head_g},
+                                                                {"module": "model.embed_tokens", "group_size": 128}]}}
+    (doctored / "edgeq_manifest.json").write_text(json.dumps(manifest))
+    (doctored / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EdgeqError, match=r"w4a8-packed/edgeq_manifest.json: embeddings: .*amx_w4a8"):  # the reader's
+        EdgeqConfig({"quant_method": "edgeq"}).maybe_update_config(str(doctored))
+
+
 # --- serving: one vLLM engine per case, in a child process ----------------------------------------------------------
 
 
 def _serve(path: Path, tp: int, prompts: list[list[int]], extra_env: dict | None = None) -> tuple[dict | None, str]:
-    """Run this file as a script: one LLM(...) over ``path``; returns (result or None, the child's stderr)."""
+    """Run this file as a script: one LLM(...) over ``path``; returns (result or None, the child's stderr). The
+    result's "embedding" is the file of vLLM's input embedding rows for every token id (bf16 [V, K])."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "EDGEQ_PREFILL_THRESHOLD": str(THRESHOLD),
-           "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(extra_env or {})}
     if tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))  # one core per rank
-    arg = json.dumps({"path": str(path), "tp": tp, "prompts": prompts, "max_tokens": MAX_TOKENS})
+    rows = path.parent / f"{path.name}.tp{tp}.embedding.pt"
+    arg = json.dumps({"path": str(path), "tp": tp, "prompts": prompts, "max_tokens": MAX_TOKENS,
+                      "embedding": str(rows)})
     proc = subprocess.run([sys.executable, __file__, arg], capture_output=True, text=True, env=env, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("EDGEQ_RESULT "):
-            return json.loads(line.removeprefix("EDGEQ_RESULT ")), proc.stderr
+            return {"outputs": json.loads(line.removeprefix("EDGEQ_RESULT ")), "embedding": rows}, proc.stderr
     return None, proc.stderr + proc.stdout
 
 
@@ -185,22 +243,43 @@ def _child(arg: str) -> None:
     result = [{"ids": list(o.outputs[0].token_ids),
                "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
               for o in outs]
+    from helpers.vllm_probe import embedding_rows  # pickled by reference: importable in vLLM's spawned processes
+
+    torch.save(llm.apply_model(embedding_rows)[0], spec["embedding"])
     print("EDGEQ_RESULT " + json.dumps(result), flush=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """The bundled model quantised by the CLI with both schemes (once per module)."""
+    """The bundled model quantised by the CLI: both schemes with bf16 embeddings, W4A16 with packed ones, tied and
+    untied (once per module)."""
     from edgeq.cli.main import main
 
     root = tmp_path_factory.mktemp("vllm")
     out = {}
-    for scheme in ("w4a16-g128", "w4a8-g128"):
-        out[scheme] = root / scheme
+    for name, args in CHECKPOINTS.items():
+        out[name] = root / name
+        source = _untied_copy(root / "untied-source") if name.endswith("-untied") else FIXTURE
         try:
-            main(["quantize", str(FIXTURE), "-o", str(out[scheme]), "--scheme", scheme])
+            main(["quantize", str(source), "-o", str(out[name]), *args])
         except SystemExit as e:
-            assert e.code in (0, None), f"edgeq quantize --scheme {scheme} exited {e.code}"
+            assert e.code in (0, None), f"edgeq quantize {' '.join(args)} exited {e.code}"
+    return out
+
+
+def _untied_copy(out: Path) -> Path:
+    """The bundled model with ``tie_word_embeddings: false`` and its own ``lm_head.weight`` (the table plus a little
+    seeded noise, so the head is not the table): same tokenizer and prompts, an untied head."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(FIXTURE, out)
+    tensors = load_file(out / "model.safetensors")
+    table = tensors["model.embed_tokens.weight"]
+    noise = torch.randn(table.shape, generator=torch.Generator().manual_seed(3)) * table.float().std() * 0.05
+    tensors["lm_head.weight"] = (table.float() + noise).to(table.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
     return out
 
 
@@ -212,22 +291,25 @@ def prompt_ids() -> list[list[int]]:
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
-def _reference(path: Path, prompts: list[list[int]], result: list[dict]) -> list[dict]:
+def _reference(path: Path, prompts: list[list[int]], outputs: list[dict]) -> tuple[list[dict], torch.Tensor]:
     """Per prompt, from ``edgeq.runtime.load``: its own greedy tokens, and over vLLM's tokens (teacher-forced, one
     forward without cache) the log-probability of each vLLM token, its gap to the runtime's best, and the gap between
-    the runtime's best two (small: a near tie, which kernels that differ legitimately may break either way)."""
+    the runtime's best two (small: a near tie, which kernels that differ legitimately may break either way); and the
+    runtime's input embedding of every token id (the mapped bf16 table, or the PackedEmbedding's E)."""
     from edgeq.runtime.generation import generate_ids
     from edgeq.runtime.loader import load
 
     lm = load(path, prefill_threshold=THRESHOLD, max_model_len=512)
     out = []
-    for p, r in zip(prompts, result):
+    for p, r in zip(prompts, outputs):
         lp = lm.forward(torch.tensor([p + r["ids"]]), use_cache=False)[0, len(p) - 1 : -1].float().log_softmax(-1)
         chosen = lp.gather(1, torch.tensor(r["ids"])[:, None])[:, 0]
         top2 = lp.topk(2, dim=-1).values
         out.append({"greedy": generate_ids(lm, p, MAX_TOKENS)[0], "chosen": chosen, "gap": top2[:, 0] - chosen,
                     "tie": top2[:, 0] - top2[:, 1]})
-    return out
+    embed = lm.model.get_input_embeddings()
+    with torch.no_grad():
+        return out, embed(torch.arange(embed.num_embeddings))
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -239,9 +321,10 @@ def _check_served(result, log: str, path: Path, prompts: list[list[int]], others
     """vLLM's tokens against the runtime's (module docstring): every logprob within TOL of the runtime's for the same
     token and prefix; every token the runtime's best or within TOL of it; the same tokens as the runtime's greedy
     decoding (and as ``others``, another vLLM run) up to the first near tie (the runtime's best two within TOL).
-    TOL is ``tol``: :data:`TOLS`."""
+    TOL is ``tol``: :data:`TOLS`. And vLLM's input embedding of every token id equals the runtime's, bit for bit."""
     assert result is not None, f"vLLM did not serve the checkpoint:\n{log[-4000:]}"
-    for i, (r, ref) in enumerate(zip(result, _reference(path, prompts, result))):
+    refs, table = _reference(path, prompts, result["outputs"])
+    for i, (r, ref) in enumerate(zip(result["outputs"], refs)):
         where = f"prompt {PROMPTS[i]!r}: vLLM {r['ids']}"
         assert len(r["ids"]) == MAX_TOKENS and len(r["logprobs"]) == MAX_TOKENS, where
         diff = (ref["chosen"] - torch.tensor(r["logprobs"])).abs().max().item()
@@ -252,12 +335,17 @@ def _check_served(result, log: str, path: Path, prompts: list[list[int]], others
             assert n == MAX_TOKENS or ref["tie"][n].item() <= tol, (
                 f"{where} != {label} {want}: they part at token {n}, where the runtime's best two are "
                 f"{ref['tie'][n].item():.3f} apart (> {tol}, not a near tie)")
+    rows = torch.load(result["embedding"])
+    assert rows.dtype == table.dtype == torch.bfloat16 and rows.shape == table.shape, (rows.dtype, rows.shape, table.shape)
+    wrong = (rows != table).any(-1).nonzero()[:, 0].tolist()
+    assert not wrong, (f"vLLM's input embedding differs from edgeq.runtime's for {len(wrong)} token ids, first "
+                       f"{wrong[:8]}: max |diff| {(rows.float() - table.float()).abs().max().item():.3g}")
 
 
-_SERVED: dict[tuple[str, int], list[dict]] = {}
+_SERVED: dict[tuple[str, int], dict] = {}
 
 
-def _served(path: Path, tp: int, prompts: list[list[int]]) -> tuple[list[dict] | None, str]:
+def _served(path: Path, tp: int, prompts: list[list[int]]) -> tuple[dict | None, str]:
     key = (str(path), tp)
     if key not in _SERVED:
         result, log = _serve(path, tp, prompts)
@@ -269,9 +357,11 @@ def _served(path: Path, tp: int, prompts: list[list[int]]) -> tuple[list[dict] |
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a8-g128"])
+@pytest.mark.parametrize("scheme", list(CHECKPOINTS))
 def test_vllm_serves_the_runtimes_tokens(checkpoints, prompt_ids, scheme):
-    """32 greedy tokens on every prompt, vLLM (tp=1) against edgeq.runtime.load, for both kernels."""
+    """32 greedy tokens on every prompt, vLLM (tp=1) against edgeq.runtime.load, for both kernels, and for packed
+    embeddings (vLLM's embedding layer decodes the head's level plus the residual, or an untied table's two levels:
+    E of the runtime, bit for bit)."""
     result, log = _served(checkpoints[scheme], 1, prompt_ids)
     _check_served(result, log, checkpoints[scheme], prompt_ids, tol=TOLS[scheme])
 
@@ -280,12 +370,14 @@ def test_vllm_serves_the_runtimes_tokens(checkpoints, prompt_ids, scheme):
 @pytest.mark.slow
 def test_tensor_parallel_2_gives_the_same_tokens_as_1(checkpoints, prompt_ids):
     """tp=2 splits every column-parallel layer on 64-row blocks and every row-parallel one on whole groups; its
-    partial sums meet in vLLM's all-reduce, in bf16, so it may break a near tie the other way: nothing else."""
-    path = checkpoints["w4a16-g128"]
+    partial sums meet in vLLM's all-reduce, in bf16, so it may break a near tie the other way: nothing else. On the
+    packed-embedding checkpoint: the head and the embedding's levels split the padded vocabulary alike, each rank
+    decodes its own ids and the all-reduce adds zeros (the embedding stays E, bit for bit)."""
+    path = checkpoints[PACKED]
     one, log1 = _served(path, 1, prompt_ids)
     assert one is not None, log1[-4000:]
     two, log = _served(path, 2, prompt_ids)
-    _check_served(two, log, path, prompt_ids, others=[r["ids"] for r in one])
+    _check_served(two, log, path, prompt_ids, others=[r["ids"] for r in one["outputs"]])
 
 
 def _foreign_layout() -> tinygemm.TinygemmLayout:
@@ -299,7 +391,7 @@ def _foreign_layout() -> tinygemm.TinygemmLayout:
 def test_foreign_layout_is_repacked_with_the_warning_or_refused(checkpoints, prompt_ids, tmp_path):
     from edgeq.runtime.repacker import repack
 
-    native = checkpoints["w4a16-g128"]
+    native = checkpoints[PACKED]  # every Linear, the head and the embedding's own level are repacked
     foreign = tmp_path / "foreign"
     report = repack(native, foreign, layout=_foreign_layout())
     assert report.changed
@@ -308,7 +400,8 @@ def test_foreign_layout_is_repacked_with_the_warning_or_refused(checkpoints, pro
     assert "run `edgeq repack` on it, or load without EDGEQ_STRICT_LAYOUT=1 to repack in memory" in log
     result, log = _serve(foreign, 1, prompt_ids[:2])
     assert "LayoutRepackWarning: REPACKED IN MEMORY: checkpoint layout" in log
-    assert "repacking 29 tensors took" in log  # 4 layers x (qkv as q, k, v + o + gate, up + down) + the head
+    # 4 layers x (qkv as q, k, v + o + gate, up + down) + the head + the embedding's residual level
+    assert "repacking 30 tensors took" in log
     _check_served(result, log, native, prompt_ids[:2])
 
 

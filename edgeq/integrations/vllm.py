@@ -9,7 +9,9 @@ every process it starts, which registers :class:`EdgeqConfig` under ``quant_meth
   packed for another layout is repacked in memory with the runtime's :class:`LayoutRepackWarning`, or refused with
   the runtime's message when ``EDGEQ_STRICT_LAYOUT=1`` (the CLI's ``--strict-layout``).
 - :class:`EdgeqLinearMethod` serves every quantised Linear *and* the output head (``ParallelLMHead`` takes a quant
-  method); embeddings and norms stay vLLM's, over the stored bf16 tensors. Parameters have the stored names, shapes
+  method; a tied head stays its own quantised layer). A packed input embedding (manifest ``embeddings``) is served by
+  :class:`~edgeq.integrations.vllm_embedding.EdgeqEmbeddingMethod`; a bf16 one, and the norms, stay vLLM's, over the
+  stored bf16 tensors. Parameters have the stored names, shapes
   and dtypes (``qweight`` + ``scales_and_zeros`` for ``tinygemm_w4a16``; ``qweight`` + ``scales`` + ``zeros`` for
   ``amx_w4a8``), each rank's slice copied in once as stored bytes (no bf16 copy; no repack unless the layout
   differs). The compute is the runtime's own modules over those parameters: :class:`~edgeq.runtime.qlinear.
@@ -39,6 +41,7 @@ from torch.nn import Parameter
 from edgeq import env
 from edgeq.env import STRICT_LAYOUT
 from edgeq.errors import EdgeqError
+from edgeq.integrations import vllm_embedding as packed_embedding
 from edgeq.integrations import vllm_slices as cuts
 from edgeq.integrations import vllm_state as state  # the per-process state and the edgeq_vllm::linear op
 from edgeq.layouts import tinygemm
@@ -63,7 +66,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
 NAME = "edgeq"
@@ -101,6 +104,7 @@ class EdgeqConfig(QuantizationConfig):
         self.not_converted: frozenset[str] = frozenset()
         self.group_sizes: dict[str, int] = {}
         self.head_name = "lm_head"
+        self.embeddings: dict[str, packed_embedding.PackedSpec] = {}  # packed input embeddings by module
 
     def __repr__(self) -> str:
         return f"EdgeqConfig(kernel={self.kernel}, group_size={self.group_size})"
@@ -136,6 +140,7 @@ class EdgeqConfig(QuantizationConfig):
         self.group_sizes = dict(info.group_sizes)  # a recipe's per-module G
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
         self.head_name = info.head_name
+        self.embeddings = packed_embedding.packed_specs(info, directory)
         if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
             layout_check(info.layout, tinygemm.probe(), strict=env.flag(STRICT_LAYOUT))
@@ -143,8 +148,11 @@ class EdgeqConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
             return EdgeqLinearMethod(self, prefix)
+        if isinstance(layer, VocabParallelEmbedding):
+            spec = packed_embedding.spec_for(self.embeddings, prefix)
+            return packed_embedding.EdgeqEmbeddingMethod(self, spec) if spec else None  # None: vLLM's, over bf16
         if not isinstance(layer, LinearBase):
-            return None  # embeddings and everything else: vLLM's own methods over the stored bf16 tensors
+            return None  # norms and everything else: vLLM's own methods over the stored bf16 tensors
         names = self._checkpoint_names(prefix)
         kept = [n for n in names if n in self.not_converted]
         if kept and len(kept) == len(names):
@@ -162,6 +170,21 @@ class EdgeqConfig(QuantizationConfig):
             raise EdgeqError(f"{prefix}: vLLM fuses {', '.join(names)} into one layer but the checkpoint quantised them "
                              f"with different group sizes ({sizes}); re-quantise with one group size for all of them")
         return sizes[names[0]]
+
+    def level_method(self, module: str, group_size: int) -> "EdgeqLinearMethod":
+        """The method that creates and loads one packed embedding level's own tensors (``module``, quantised with
+        ``group_size``) the way the head's are loaded: the vocabulary split of a ``VocabParallelEmbedding``."""
+        return EdgeqLinearMethod(self, module, group_size)
+
+    def layer_done(self) -> None:
+        """One created layer processed after loading; after the last, the one repack warning (if any repacked)."""
+        with state.STATE.lock:
+            state.STATE.processed += 1
+            done = state.STATE.processed == state.STATE.created
+        if done and state.STATE.repacked:
+            warnings.warn(repack_warning(self.stored, state.STATE.w4a16_runtime().layout, state.STATE.repacked,
+                                         state.STATE.repack_seconds, state.STATE.repacked_bytes), LayoutRepackWarning,
+                          stacklevel=3)
 
     def _checkpoint_names(self, prefix: str) -> list[str]:
         """The checkpoint modules a vLLM layer holds (``qkv_proj`` -> q/k/v_proj, via the model's mapping)."""
@@ -200,7 +223,7 @@ class _Geometry:
 
 
 def _geometry(layer, input_size: int, k_local: int) -> _Geometry:
-    if isinstance(layer, ParallelLMHead):
+    if isinstance(layer, VocabParallelEmbedding):  # the head, or a packed input embedding's level
         tp, rank = layer.tp_size, layer.tp_rank
         return _Geometry([layer.num_embeddings_padded], input_size, (0, input_size), False, tp, rank)
     tp, rank = (1, 0) if isinstance(layer, ReplicatedLinear) else (layer.tp_size, layer.tp_rank)
@@ -213,28 +236,39 @@ def _geometry(layer, input_size: int, k_local: int) -> _Geometry:
 class EdgeqLinearMethod(LinearMethodBase):
     """One quantised layer (a Linear of any parallel kind, or the head) over the stored packed tensors."""
 
-    def __init__(self, config: EdgeqConfig, prefix: str):
+    def __init__(self, config: EdgeqConfig, prefix: str, group_size: int | None = None):
         self.config = config
         self.prefix = prefix
-        self.group_size = config.group_size_of(prefix)
+        self.group_size = group_size or config.group_size_of(prefix)
 
     # creation ------------------------------------------------------------------------------------------------------
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int], input_size: int,
                        output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        g = self.group_size
-        geo = _geometry(layer, input_size, input_size_per_partition)
-        block = self._block_n()
-        cuts.check_split(self.prefix, geo.sizes, geo.k, geo.tp, row_parallel=geo.row_parallel, block_n=block,
-                         group_size=g)
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        for name, shape, dtype in self._shapes(n, k):
-            p = Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-            layer.register_parameter(name, p)
-            set_weight_attrs(p, {"weight_loader": self._loader(layer, name, geo, output_partition_sizes)})
+        self.add_params(layer, layer, input_size, input_size_per_partition, output_partition_sizes)
         layer.edgeq_key = self.prefix
         with state.STATE.lock:
             state.STATE.created += 1
+            if isinstance(layer, ParallelLMHead):
+                state.STATE.heads[self.prefix] = layer  # a tied packed embedding reads its level 0 here
+
+    def add_params(self, layer, holder, input_size: int, input_size_per_partition: int,
+                   output_partition_sizes: list[int]) -> None:
+        """The stored tensors of this rank's part of ``layer`` as parameters of ``holder`` (``layer``, or the child
+        module a packed embedding keeps a level in), each with the loader that copies its slice in."""
+        geo = _geometry(layer, input_size, input_size_per_partition)
+        cuts.check_split(self.prefix, geo.sizes, geo.k, geo.tp, row_parallel=geo.row_parallel, block_n=self._block_n(),
+                         group_size=self.group_size)
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        for name, shape, dtype in self._shapes(n, k):
+            p = Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            holder.register_parameter(name, p)
+            set_weight_attrs(p, {"weight_loader": self._loader(layer, name, geo, output_partition_sizes)})
+
+    def tie_weights(self, layer, embed_tokens):
+        """A tied model's head stays its own quantised layer (edgeq quantised it from the table): nothing is shared
+        with ``embed_tokens``, whose bf16 ``weight`` (or packed levels, which read this head) stays its own."""
+        return layer
 
     def _block_n(self) -> int:
         if self.config.kernel == W4A8:
@@ -256,7 +290,7 @@ class EdgeqLinearMethod(LinearMethodBase):
 
     def _rows(self, layer, geo: _Geometry, partition_sizes: list[int], shard_id) -> tuple[int, int, int, int]:
         """(destination row offset, source rows a..b, global rows of the source tensor) for one loaded tensor."""
-        if isinstance(layer, ParallelLMHead):
+        if isinstance(layer, VocabParallelEmbedding):  # the head or an embedding level: the vocabulary split
             s = layer.shard_indices
             return 0, s.org_vocab_start_index, s.org_vocab_end_index, layer.org_vocab_size
         if isinstance(layer, QKVParallelLinear) and shard_id in ("q", "k", "v"):
@@ -322,12 +356,7 @@ class EdgeqLinearMethod(LinearMethodBase):
         module = self._module(layer, n)
         with state.STATE.lock:
             state.STATE.served[self.prefix] = state.Served(module, n_out, head)
-            state.STATE.processed += 1
-            done = state.STATE.processed == state.STATE.created
-        if done and state.STATE.repacked:
-            warnings.warn(repack_warning(self.config.stored, state.STATE.w4a16_runtime().layout, state.STATE.repacked,
-                                         state.STATE.repack_seconds, state.STATE.repacked_bytes), LayoutRepackWarning,
-                          stacklevel=2)
+        self.config.layer_done()
 
     def _module(self, layer, n: int):
         """The runtime's module over this rank's parameters (the first ``n`` rows; the head's padding excluded)."""

@@ -2,9 +2,11 @@
 
 vLLM builds every layer of a model in each worker process; what the layers share lives here, never pickled with
 the config: the W4A16 runtime (layout, kernel choice, scratch, prefill threshold), the W4A8 kernel choice, the
-served modules by prefix, and the repack tally behind the one :class:`LayoutRepackWarning`. Every served layer's
-forward is the opaque op ``torch.ops.edgeq_vllm.linear(x, prefix, bias)`` (one node for vLLM's torch.compile),
-which runs the runtime's own module for that prefix (edgeq/integrations/vllm.py creates them).
+served modules by prefix, the heads (a tied packed embedding's level 0 is the head's tensors), and the repack tally
+behind the one :class:`LayoutRepackWarning`. Every served layer's forward is the opaque op
+``torch.ops.edgeq_vllm.linear(x, prefix, bias)`` and every packed embedding's lookup the opaque op
+``torch.ops.edgeq_vllm.embedding(ids, module)`` (one node each for vLLM's torch.compile), which run the runtime's
+own modules (edgeq/integrations/vllm.py and vllm_embedding.py create them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from edgeq.runtime.qlinear import Int4Linear, Runtime, make_runtime
 
 class Process:
     """What one vLLM worker process shares across layers: the W4A16 runtime (layout, kernel choice, scratch,
-    threshold), the W4A8 kernel choice, the served modules by prefix, and the repack tally for the warning."""
+    threshold), the W4A8 kernel choice, the served modules by prefix, the head layers and packed embeddings, and the
+    repack tally for the warning."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -33,6 +36,8 @@ class Process:
         self.w4a8_choice = None
         self.counts: Counter = Counter()
         self.served: dict[str, Served] = {}
+        self.heads: dict[str, Any] = {}  # the vLLM head layers by prefix: their loaded qweight/scales_and_zeros
+        self.embeddings: dict[str, Any] = {}  # the runtime's PackedEmbedding by embedding module
         self.created = self.processed = 0
         self.repacked = self.repacked_bytes = 0
         self.repack_seconds = 0.0
@@ -94,3 +99,15 @@ def linear(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor
 @linear.register_fake
 def _linear_shape(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], STATE.served[key].n_out)
+
+
+@torch.library.custom_op("edgeq_vllm::embedding", mutates_args=())
+def embedding(ids: torch.Tensor, key: str) -> torch.Tensor:
+    """bf16 [..., K]: the rows ``ids`` (int64, this rank's local ids) of the packed embedding ``key`` (its module),
+    decoded by the runtime's :class:`~edgeq.runtime.embedding.PackedEmbedding`: opaque to torch.compile."""
+    return STATE.embeddings[key](ids)
+
+
+@embedding.register_fake
+def _embedding_shape(ids: torch.Tensor, key: str) -> torch.Tensor:
+    return ids.new_empty(*ids.shape, STATE.embeddings[key].embedding_dim, dtype=torch.bfloat16)
