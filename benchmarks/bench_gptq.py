@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gptq.py                         # minmax, rtn, gptq, gptq --act-order; 3 passes
     python benchmarks/bench_gptq.py --arms rtn,gptq --passes 1 --max-tokens 2000      # quick look
+    $GPTQ_ENV/bin/python benchmarks/bench_gptq.py --arms rtn,gptq,gptqmodel   # with GPTQModel (the gptq extra's venv)
 
 Every arm converts edgeq/data/tiny-prose to w4a16-g128 with `edgeq quantize` in a child process (what ships, with
 the CLI's defaults: GPTQ calibrates on the bundled calib-prose.txt, 128 x 512 tokens asked, 79 windows available),
@@ -37,6 +38,7 @@ ARMS = {
     "rtn": ["--method", "rtn"],
     "gptq": ["--method", "gptq"],
     "gptq-act": ["--method", "gptq", "--act-order"],
+    "gptqmodel": ["--method", "gptqmodel"],  # GPTQModel's quantiser: run this script from the gptq extra's environment
 }
 
 
@@ -104,7 +106,7 @@ def _same(h: list) -> str:
 
 def table(arms, runs, fid, hashes, meta) -> str:
     lines = [
-        f"w4a16-g128 on edgeq/data/tiny-prose (Llama, 4 layers, hidden 256, vocab 4096, tied head). {meta['date']}; "
+        f"{meta['scheme']} on edgeq/data/tiny-prose (Llama, 4 layers, hidden 256, vocab 4096, tied head). {meta['date']}; "
         f"{meta['cpu']}, {meta['cores']} logical cores, torch {meta['torch']} ({meta['capability']}), "
         f"{meta['threads']} intra-op threads; load average {meta['load_before']} before, {meta['load_after']} after; "
         f"{meta['passes']} passes, arms interleaved (order rotated), median [min–max].",
@@ -133,7 +135,7 @@ def table(arms, runs, fid, hashes, meta) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--arms", default="minmax,rtn,gptq,gptq-act", help=f"comma-separated, from {', '.join(ARMS)}")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--scheme", default="w4a16-g128")
     ap.add_argument("--ctx", type=int, default=512)
@@ -147,7 +149,7 @@ def main() -> None:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_name(),
             "cores": os.cpu_count(), "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), "passes": args.passes,
+            "threads": torch.get_num_threads(), "passes": args.passes, "scheme": args.scheme,
             "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     runs = {a: [] for a in arms}
     hashes = {a: [] for a in arms}
