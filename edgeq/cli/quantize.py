@@ -28,7 +28,9 @@ def quantize(
                                     "the layers that cannot be repacked exactly, e.g. another group size."),
     head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
                                              "float model (its lm_head, or its tied embedding)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="--method gptq: calibration text "
+    calib: Optional[Path] = typer.Option(None, "--calib", help="--method gptq: calibration text, or 'self': token "
+                                         "ids sampled from the model itself (seed 0; default 256-token windows, "
+                                         "max(32, 4 x the widest Linear input / 256) of them) "
                                          "[default: the bundled edgeq/data/calib-prose.txt]."),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128]."),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512]."),

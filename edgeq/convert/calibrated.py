@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from edgeq.convert import w4a16
+from edgeq.convert import selfcal, w4a16
 from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, calibration_windows, gptq_model
 from edgeq.convert.embeddings import write_levels
 from edgeq.convert.plan import Plan, PlanEntry, build_plan, group_sizes, packed_bytes
 from edgeq.convert.recipe import Recipe
 from edgeq.convert.stream import Progress, copy_entry, rss
+from edgeq.console import say
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.safetensors import ShardedWriter
@@ -34,6 +35,7 @@ from edgeq.scheme import Scheme
 
 METHOD = "gptq"
 DEFAULT_CALIB = DATA / "calib-prose.txt"  # disjoint from heldout-prose.txt (fidelity's text)
+TEXT_NSAMPLES, TEXT_SEQLEN = 128, 512  # a text's windows, when not given
 _IN_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # the driver's execution order in the supported families
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -41,22 +43,41 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    """``--method gptq`` settings: calibration text, windows, act-order, dampening (docs/gptq.md)."""
+    """``--method gptq`` settings: calibration text (or ``"self"``: tokens sampled from the model, seeded), windows,
+    act-order, dampening (docs/gptq.md). ``nsamples`` / ``seqlen`` left as None take the source's defaults: 128 x 512
+    for a text; for ``self`` seqlen 256 and nsamples None, resolved from the model when sampling
+    (:func:`edgeq.convert.selfcal.default_nsamples`: 32, more for a widest Linear input above 2048)."""
 
     calib: str = str(DEFAULT_CALIB)
-    nsamples: int = 128
-    seqlen: int = 512
+    nsamples: int | None = None
+    seqlen: int | None = None
     act_order: bool = False
     damp: float = 0.01
     block_size: int = 128
+    seed: int = selfcal.SEED  # --calib self only: the sampling seed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calib", str(self.calib))  # a Path from the CLI
+        own = (None, selfcal.SEQLEN) if self.calib == selfcal.SELF else (TEXT_NSAMPLES, TEXT_SEQLEN)
+        object.__setattr__(self, "nsamples", own[0] if self.nsamples is None else self.nsamples)
+        object.__setattr__(self, "seqlen", own[1] if self.seqlen is None else self.seqlen)
+
+    @property
+    def calib_file(self) -> Path | None:
+        """The calibration text this conversion reads; None for ``self``."""
+        return None if self.calib == selfcal.SELF else Path(self.calib)
 
     def check(self) -> None:
-        if self.nsamples < 1 or self.seqlen < 2:
+        if (self.nsamples is not None and self.nsamples < 1) or self.seqlen < 2:
             raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
         if not 0.0 < self.damp <= 1.0:
             raise EdgeqError(f"--damp {self.damp}: must be in (0, 1] (a fraction of the mean Hessian diagonal; default 0.01)")
-        if not Path(self.calib).is_file():
-            raise EdgeqError(f"--calib {self.calib}: no such file; give a UTF-8 text file")
+        if self.calib_file is None:
+            if Path(selfcal.SELF).is_file():
+                raise EdgeqError(f"--calib self samples from the model, but ./self is a file here; to calibrate on that "
+                                 f"file give its full path ({Path(selfcal.SELF).resolve()})")
+        elif not self.calib_file.is_file():
+            raise EdgeqError(f"--calib {self.calib}: no such file; give a UTF-8 text file, or 'self' (sampled from the model)")
 
 
 def gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOptions) -> Plan:
@@ -78,9 +99,18 @@ def gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOption
 
 
 def calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
-    """Token windows from the --calib text (the model's tokenizer), and their record for the manifest."""
+    """Token windows from the --calib text (the model's tokenizer), or sampled from the model (``self``), and
+    their record for the manifest."""
     opts: GPTQOptions = plan.options
-    path = Path(opts.calib)
+    if opts.calib_file is None:
+        k_max = max(e.shape[1] for e in plan.entries if e.quantized)
+        n = opts.nsamples or selfcal.default_nsamples(k_max, opts.seqlen)
+        say(f"--calib self: sampling {n} x {opts.seqlen} calibration tokens from the model (seed {opts.seed})")
+        t0 = time.perf_counter()
+        windows, record = selfcal.sample_windows(ckpt.root, n, opts.seqlen, opts.seed)
+        say(f"--calib self: sampled in {time.perf_counter() - t0:.0f}s")
+        return windows, {**record, "nsamples_asked": opts.nsamples, "widest_input": k_max}
+    path = opts.calib_file
     try:
         raw = path.read_bytes()
         text = raw.decode("utf-8")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgeq.convert.packers import packer
+from edgeq.convert.selfcal import describe as describe_calibration
 from edgeq.errors import EdgeqError
 from edgeq.io.hub import is_hub_id
 from edgeq.io.manifest import Manifest, read_json
@@ -61,6 +62,7 @@ class CardFacts:
     model_type: str
     created_by: dict
     embeddings: dict = field(default_factory=dict)  # the manifest's packed embeddings, with bytes (packed_embeddings)
+    calibration: Optional[dict] = None  # --method gptq: the manifest's gptq.calibration record
 
 
 def source_name(path: Path | str) -> str:
@@ -107,6 +109,7 @@ def facts(directory: Path | str, source: Optional[str] = None) -> CardFacts:
         kept_bf16=dict(manifest.modules_not_converted), layout=dict(manifest.layout),
         perm_modules=len(manifest.extra.get("perm_modules") or []), model_type=str(config.get("model_type", "")),
         created_by=dict(manifest.created_by), embeddings=packed_embeddings(manifest),
+        calibration=(manifest.extra.get("gptq") or {}).get("calibration"),
     )
 
 
@@ -194,7 +197,7 @@ def render(f: CardFacts, fidelity: Optional[dict] = None) -> str:
     rows = [
         ("made from", made_from + (f" ({f.model_type})" if f.model_type else "")),
         ("scheme", f"`{f.scheme}`: {scheme_text}, groups of {f.group_size} inputs with a scale and zero point each"),
-        ("method", f"`{f.method}`"),
+        ("method", f"`{f.method}`" + (f", calibrated on {describe_calibration(f.calibration)}" if f.calibration else "")),
         ("bits per weight", f"{f.bits_per_weight:.3f} (scales and zeros included)"),
         ("output head", _head(f)),
         ("kept in bf16", _kept(f)),

@@ -170,8 +170,8 @@ def _inputs(ckpt: Checkpoint, plan: Plan) -> list[Path]:
     """Everything the conversion reads, which no output may replace or contain: the model directory, its weight
     files (they may be symlinks into another directory, as in the hub cache), --head-from, --calib."""
     found = [ckpt.root, *ckpt.files, *(Path(e.origin) for e in plan.entries if e.origin)]
-    if plan.method in ("gptq", GPTQMODEL):
-        found.append(Path(plan.options.calib))
+    if plan.method in ("gptq", GPTQMODEL) and plan.options.calib_file is not None:  # None: --calib self
+        found.append(plan.options.calib_file)
     return found
 
 

@@ -22,6 +22,7 @@ from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
 from edgeq.convert.ingest_stream import describe as describe_ingest
 from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, PlanEntry, group_sizes
+from edgeq.convert.selfcal import describe as describe_calibration
 from edgeq.io.hf import TOKENIZER_FILES, Checkpoint
 from edgeq.io.manifest import Manifest
 from edgeq.keys import CONFIG, QUANT_METHOD, VERSION, Action, Kernel, Role
@@ -107,8 +108,7 @@ def notes(plan: Plan, details: dict) -> list[str]:
     if plan.method == "gptq":
         g = details.get("gptq", {})
         c = g.get("calibration", {})
-        lines = [f"GPTQ calibration: {c.get('windows')} windows x {c.get('seqlen')} tokens of {c.get('file')}, "
-                 f"act_order={g.get('act_order')}, damp={g.get('damp')}"]
+        lines = [f"GPTQ calibration: {describe_calibration(c)}, act_order={g.get('act_order')}, damp={g.get('damp')}"]
         if g.get("damp_escalated"):
             lines.append(f"dampening raised for {len(g['damp_escalated'])} module(s): {g['damp_escalated']}")
         return lines
