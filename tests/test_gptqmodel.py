@@ -139,6 +139,7 @@ def test_a_gptqmodel_checkpoint_for_the_plan_is_repacked_exactly(tmp_path):
     out = tmp_path / "out"
     report = convert(FIXTURE, out, prepared=(ckpt, gplan, recipe))
     assert report.method == METHOD and report.quantized == 29 and report.untied
+    assert report.head_source == "model.embed_tokens.weight"  # through the untied view: the input's table
     assert report.notes[:2] == ("GPTQModel test: 2 windows x 8 tokens of x.txt, 4-bit asym g128, desc_act=False, "
                                 "damp=0.01, 2 CPU workers; head: untied view",
                                 "GPTQ input (gptq, 4-bit g128, sym=False, desc_act=False): 29 layers repacked exactly")
@@ -166,6 +167,23 @@ def test_a_gptqmodel_checkpoint_for_the_plan_is_repacked_exactly(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gm", "out"]  # no staging directory left
 
 
+def test_a_packed_embedding_is_carried_over_from_the_float_plan(tmp_path):
+    """--embeddings packed with --method gptqmodel: the float plan's packed table (level 0: the tied head as written,
+    here GPTQModel's, repacked) is written after the ingested head, from the input's table."""
+    from edgeq.convert.embeddings import pack_plan
+    from edgeq.keys import EmbeddingStorage
+
+    plan, recipe = _plan()
+    plan = pack_plan(plan, recipe, EmbeddingStorage.PACKED)
+    _gptqmodel_like(tmp_path / "gm", plan)
+    ckpt, gplan = ingest(open_checkpoint(FIXTURE), tmp_path / "gm", plan, recipe, {})
+    assert gplan.entries[-1] == plan.packed_embedding and gplan.packed_embedding.source == "model.embed_tokens.weight"
+    convert(FIXTURE, tmp_path / "out", prepared=(ckpt, gplan, recipe))
+    m = read_manifest(tmp_path / "out")
+    assert m.method == METHOD and m.embeddings["model.embed_tokens"]["storage"] == "packed"
+    assert m.embedding_levels("model.embed_tokens") == [("lm_head", 32), ("model.embed_tokens", 128)]
+
+
 def test_a_gptqmodel_checkpoint_unlike_the_plan_is_refused(tmp_path):
     plan, recipe = _plan()
     _gptqmodel_like(tmp_path / "gm", plan, groups={"model.layers.2.self_attn.k_proj": 128})
@@ -187,6 +205,7 @@ def test_gptqmodel_converts_the_bundled_model(tmp_path, capsys, fixture_quantize
     assert code == 0, err[-3000:]
     report = json.loads(stdout)  # GPTQModel's own logging went to stderr
     assert report["method"] == METHOD and report["quantized"] == 29 and report["untied"] is True
+    assert report["head_source"] == "model.embed_tokens.weight"
     assert any(n.startswith(f"GPTQModel {version}: 32 windows x 256 tokens") for n in report["notes"])
     m = read_manifest(out)
     assert m.method == METHOD and m.head_name == "lm_head" and "lm_head" in m.quantized_modules and m.head["untied"]

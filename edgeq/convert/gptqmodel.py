@@ -53,7 +53,7 @@ from edgeq.convert.recipe import Recipe
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import OutSpec, ShardedWriter
-from edgeq.keys import CONFIG, WEIGHTS, WEIGHTS_INDEX, Action
+from edgeq.keys import CONFIG, WEIGHTS, WEIGHTS_INDEX, Action, Role
 from edgeq.scheme import Scheme
 
 METHOD = "gptqmodel"
@@ -196,6 +196,8 @@ def ingest(ckpt: Checkpoint, gptq_dir: Path, plan: Plan, recipe: Recipe, record:
     carried = [e for e in plan.entries if not e.quantized and e.action not in (Action.COPY, Action.KEEP)]
     names = {e.name for e in carried}
     entries = tuple(e for e in gplan.entries if e.name not in names) + tuple(carried)
+    if plan.tied:  # the head GPTQModel quantised is the input's table (the untied view): say so, as for any method
+        entries = tuple(replace(e, source=plan.head.source) if e.role == Role.HEAD else e for e in entries)
     source = {**gplan.source, METHOD: record}
     return gckpt, replace(gplan, entries=entries, method=METHOD, tied=plan.tied, source=source, options=plan.options)
 
