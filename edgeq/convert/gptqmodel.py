@@ -50,6 +50,7 @@ from edgeq.convert.ingest_config import read_gptq_config
 from edgeq.convert.ingest_gptq import build_gptq_plan
 from edgeq.convert.plan import Plan, PlanEntry, build_plan, packed_bytes
 from edgeq.convert.recipe import Recipe
+from edgeq.convert.selfcal import describe as describe_calibration
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import OutSpec, ShardedWriter
@@ -207,8 +208,7 @@ def describe(plan: Plan) -> list[str]:
     r = plan.source.get(METHOD) if plan.method == METHOD else None
     if not r:
         return []
-    c = r["calibration"]
-    return [f"GPTQModel {r['version']}: {c['windows']} windows x {c['seqlen']} tokens of {c['file']}, 4-bit asym "
+    return [f"GPTQModel {r['version']}: {describe_calibration(r['calibration'])}, 4-bit asym "
             f"g{r['group_size']}, desc_act={r['desc_act']}, damp={r['damp_percent']}, {r['cpu_workers']} CPU workers; "
             f"head: {r['head']}"]
 
