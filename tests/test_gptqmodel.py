@@ -194,9 +194,12 @@ def test_a_gptqmodel_checkpoint_unlike_the_plan_is_refused(tmp_path):
 
 @needs_gptqmodel
 @pytest.mark.slow
-def test_gptqmodel_converts_the_bundled_model(tmp_path, capsys, fixture_quantized):
+def test_gptqmodel_converts_the_bundled_model(tmp_path, capsys, fixture_quantized, monkeypatch):
     """The real thing: GPTQModel on CPU (32 windows x 256 tokens of the bundled calibration text), the bundled tied
-    model's head included, ingested exactly; fidelity on held-out text against bf16, and against RTN."""
+    model's head included, ingested exactly; fidelity on held-out text against bf16, and against RTN. Nothing is
+    left behind: not GPTQModel's files, not its per-run log (it writes ./logs by default)."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     # from the package's metadata: a bare `import gptqmodel` needs torchvision, edgeq's import stands in for it
     version = importlib.metadata.version("gptqmodel")
     out = tmp_path / "gm"
@@ -217,7 +220,8 @@ def test_gptqmodel_converts_the_bundled_model(tmp_path, capsys, fixture_quantize
     ex = m.extra["exactness"]
     assert ex["repacked_modules"] == 29 and ex["max_error_over_bound"] <= 1.0 and ex["max_error_over_scale"] <= 1 / 16
     assert m.extra["requantized_modules"] == {} and m.extra["float_quantized_modules"] == {}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gm"]  # GPTQModel's files went with the staging directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "gm"]  # GPTQModel's files went with the staging dir
+    assert list((tmp_path / "cwd").iterdir()) == []
     ref = load(FIXTURE, kv_cache_bytes=16 << 20)
     kld = {name: F.compare(ref, load(path, kv_cache_bytes=16 << 20), ctx=256, max_tokens=1500).kld_mean
            for name, path in (("gptqmodel", out), ("rtn", fixture_quantized))}

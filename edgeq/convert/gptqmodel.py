@@ -32,6 +32,7 @@ when torchvision is absent that one GPTQModel module is replaced by a stand-in t
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -123,6 +124,7 @@ def _run(ckpt: Checkpoint, plan: Plan, work: Path) -> tuple[Path, dict]:
     rows = [{"input_ids": w.tolist(), "attention_mask": [1] * len(w)} for w in windows]
     with contextlib.redirect_stdout(sys.stderr):  # GPTQModel logs on stdout (from its import on): stdout is edgeq's
         gptqmodel = _import()
+        _logs_into(work / "logs")
         qc = gptqmodel.QuantizeConfig(bits=4, group_size=plan.scheme.group_size, sym=False, desc_act=opts.act_order,
                                       damp_percent=opts.damp, lm_head=True, dynamic=dynamic,
                                       offload_to_disk_path=str(work / "offload"))
@@ -136,8 +138,9 @@ def _run(ckpt: Checkpoint, plan: Plan, work: Path) -> tuple[Path, dict]:
                              "try --method gptq (edgeq's own)") from e
     head = (f"untied view: {plan.head.name} written from {plan.head.source} (GPTQModel refuses a tied lm_head)"
             if plan.tied else f"the input's {plan.head.source}")
-    record = {"version": gptqmodel.__version__, "calibration": calib, "cpu_workers": workers, "desc_act": opts.act_order,
-              "damp_percent": opts.damp, "sym": False, "group_size": plan.scheme.group_size, "head": head}
+    record = {"version": gptqmodel.__version__, "calibration": calib, "cpu_workers": workers,
+              "desc_act": opts.act_order, "damp_percent": opts.damp, "sym": False, "group_size": plan.scheme.group_size,
+              "head": head}
     return out, record
 
 
@@ -184,7 +187,8 @@ def ingest(ckpt: Checkpoint, gptq_dir: Path, plan: Plan, recipe: Recipe, record:
     gplan.check()
     want = {e.module: (e.group(plan.scheme), e.perm) for e in plan.entries if e.quantized}
     got = {e.module: (e.group(plan.scheme), e.perm) for e in gplan.entries if e.quantized}
-    problems = [f"{e.module}: {e.action} ({e.reason})" for e in gplan.entries if e.quantized and e.action != Action.REPACK]
+    problems = [f"{e.module}: {e.action} ({e.reason})" for e in gplan.entries
+                if e.quantized and e.action != Action.REPACK]
     problems += [f"{m}: planned g{w[0]}{' + perm' if w[1] else ''}, GPTQModel wrote "
                  f"{'nothing' if m not in got else f'g{got[m][0]}' + (' + perm' if got[m][1] else '')}"
                  for m, w in want.items() if got.get(m) != w]
@@ -249,7 +253,19 @@ def _set_workers() -> int:
     try:
         return int(os.environ.get(WORKERS_ENV, ((os.cpu_count() or 1) + 1) // 2))
     except ValueError:
-        raise EdgeqError(f"{WORKERS_ENV}={os.environ[WORKERS_ENV]!r}: not an integer; unset it or give a count") from None
+        value = os.environ[WORKERS_ENV]
+        raise EdgeqError(f"{WORKERS_ENV}={value!r}: not an integer; unset it or give a count") from None
+
+
+def _logs_into(directory: Path) -> None:
+    """GPTQModel 7.3.6 writes a log file per run under ``./logs`` (``looper.loop_processor._PROJECT_LOG_DIR``), i.e.
+    into the caller's working directory: pointed into the staging directory instead, so it goes with it."""
+    try:  # imported by GPTQModel only when quantize() runs
+        module = importlib.import_module("gptqmodel.looper.loop_processor")
+    except ImportError:
+        return
+    if hasattr(module, "_PROJECT_LOG_DIR"):
+        module._PROJECT_LOG_DIR = directory
 
 
 def _import():
