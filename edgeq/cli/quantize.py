@@ -41,6 +41,10 @@ def quantize(
     embeddings: Optional[str] = typer.Option(None, "--embeddings", help="packed (4-bit: the head's levels plus a "
                                              "residual, tinygemm schemes) | bf16 [default: the recipe's "
                                              "embeddings_storage; w4a8: bf16]."),
+    head_levels: Optional[int] = typer.Option(None, "--head-levels", help="1 | 2: with --embeddings packed on a tied "
+                                              "model, 2 makes the output head add the table's residual level too "
+                                              "(logits = x @ (D0 + D1)^T: no extra bytes, a second 4-bit matmul per "
+                                              "token) [default: the recipe's head_levels, 1]."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -59,7 +63,7 @@ def quantize(
     check_method(method)
     gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
-                       head_from=head_from, gptq=gptq, embeddings=embeddings)
+                       head_from=head_from, gptq=gptq, embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
     if dry_run:
         _dry_run(plan, as_json)

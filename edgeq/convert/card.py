@@ -154,7 +154,11 @@ def _kept(f: CardFacts) -> str:
 def _head(f: CardFacts) -> str:
     h = f.head  # quantised: Manifest.from_json refuses any other head
     how = f"from `{h.get('source')}`" + (", untied from the embedding" if h.get("untied") else "")
-    return f"quantised ({how})" + (f", method {h['method']}" if h.get("method") else "")
+    text = f"quantised ({how})" + (f", method {h['method']}" if h.get("method") else "")
+    if len(levels := h.get("levels") or []) > 1:  # --head-levels 2: no extra bytes, a second 4-bit matmul per token
+        text += (f"; 2 levels: logits = x @ (D0 + D1)^T, its own tensors + the embedding's residual level "
+                 f"`{levels[1]['module']}` g{levels[1]['group_size']}")
+    return text
 
 
 def _front_matter(f: CardFacts) -> str:

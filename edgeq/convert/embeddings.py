@@ -26,6 +26,10 @@ moves it last), the level-0 codes are read one row block at a time, and only the
 
 Only the tinygemm_w4a16 kernel has the lookup (its packer's ``packed_embeddings``): an amx_w4a8 scheme with
 ``--embeddings packed`` is refused; its default is bf16 whatever the recipe says.
+
+``--head-levels 2`` (:func:`resolve_head_levels`) adds nothing to the file but the head record's ``levels`` (the
+table's, the head first): the output head then sums both levels too, logits = x @ (D0 + D1)^T, for a tied table
+whose level 0 is the head; the runtime computes it (edgeq/runtime/qlinear.py).
 """
 
 from __future__ import annotations
@@ -99,6 +103,36 @@ def pack_plan(plan: Plan, recipe: Recipe, storage: EmbeddingStorage, explicit: b
     return replace(plan, entries=entries, problems=plan.problems + tuple(problems))
 
 
+def resolve_head_levels(flag: int | None, recipe: Recipe, plan: Plan) -> Plan:
+    """``plan`` with ``head_levels`` set: ``--head-levels`` if given, else the recipe's ``head_levels``. 2 makes the
+    output head sum the packed table's levels, y = x @ (D0 + D1)^T (docs/format.md, "Head levels"): no extra bytes
+    (the residual level is already stored), one more 4-bit matmul per step. It applies only when the table is packed
+    and its level 0 is the head (tied, no --head-from, no act-order permutation); else the flag is refused (naming
+    why and the fix) and the recipe's 2 means 1."""
+    levels = recipe.head_levels if flag is None else flag
+    if levels not in (1, 2):
+        raise EdgeqError(f"--head-levels {levels}: valid: 1 (the head's own tensors), 2 (plus the packed embedding's "
+                         "residual level)")
+    if levels == 1:
+        return replace(plan, head_levels=1)
+    e, why, fix = plan.packed_embedding, None, "use --head-levels 1"
+    if e is None:
+        why = "the embedding table is bf16, and the second level is a packed table's residual"
+        fix = "add --embeddings packed, or use --head-levels 1"
+    elif e.levels[0].own or e.levels[0].module != plan.head_module:
+        head = plan.head
+        cause = ("the head is written with an act-order permutation (--act-order)" if head.perm else
+                 "the head comes from --head-from" if head.origin else
+                 f"the head has its own {head.source} (an untied model)" if head.source != e.source else
+                 "the head is not the table's level 0")
+        why = f"the head must be the packed table's level 0, and {cause}"
+    if why is None:
+        return replace(plan, head_levels=2)
+    if flag is None:
+        return replace(plan, head_levels=1)
+    raise EdgeqError(f"--head-levels 2: {why}; {fix}")
+
+
 def _levels(plan: Plan, emb: PlanEntry) -> tuple[EmbeddingLevel, ...]:
     """Level 0 is the head when it was quantised from this table as read here, in its own column order; else the
     table's own rtn level at the head's group size. The residual is at the scheme's base group size."""
@@ -123,9 +157,22 @@ def manifest_record(plan: Plan) -> dict:
                        "levels": [{"module": lv.module, "group_size": lv.group_size} for lv in e.levels]}}
 
 
+def head_record(plan: Plan) -> list[dict]:
+    """The head record's ``levels`` (``--head-levels 2``): the packed table's levels, the head first; [] for one."""
+    return manifest_record(plan)[plan.packed_embedding.module]["levels"] if plan.head_levels == 2 else []
+
+
 def describe(plan: Plan) -> dict:
     """What is written for the input embedding: storage, module, levels, bytes and the bf16 bytes it replaces (the
-    summary of ``--dry-run``, ``--json`` and the report line). Empty when the plan has no embedding table."""
+    summary of ``--dry-run``, ``--json`` and the report line), and ``head_levels`` when the head sums 2. Empty when
+    the plan has no embedding table."""
+    e = plan.packed_embedding
+    if e is not None and plan.head_levels == 2:
+        return {**_describe(plan), "head_levels": 2}
+    return _describe(plan)
+
+
+def _describe(plan: Plan) -> dict:
     e = plan.packed_embedding
     if e is None:
         emb = next((x for x in plan.entries if x.role == Role.EMBEDDING), None)
@@ -150,6 +197,8 @@ def summary_line(d: dict) -> str:
     if "relative_error" in d:
         line += (f"; relative error {d['relative_error']:.4f}, max |E - W| {d['max_error']:.4g} "
                  f"(level 0 alone: {d['level0_relative_error']:.4f}, {d['level0_max_error']:.4g})")
+    if d.get("head_levels") == 2:
+        line += f"; head levels 2 (the head adds the residual g{d['levels'][-1]['group_size']}: logits = x @ (D0 + D1)^T)"
     return line
 
 

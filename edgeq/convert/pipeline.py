@@ -33,7 +33,7 @@ from typing import Callable
 
 from edgeq.convert.calibrated import GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
 from edgeq.convert.embeddings import describe as describe_embeddings
-from edgeq.convert.embeddings import format_version, pack_plan, resolve_storage
+from edgeq.convert.embeddings import format_version, pack_plan, resolve_head_levels, resolve_storage
 from edgeq.convert.gptqmodel import METHOD as GPTQMODEL
 from edgeq.convert.gptqmodel import gptqmodel_plan, quantized
 from edgeq.convert.ingest_config import read_gptq_config
@@ -110,13 +110,15 @@ def refuse_quantized_input(ckpt: Checkpoint) -> None:
 
 def prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,
             requantize: bool = False, head_from: str | Path | None = None,
-            gptq: GPTQOptions | None = None, embeddings: str | None = None) -> tuple[Checkpoint, Plan, Recipe]:
+            gptq: GPTQOptions | None = None, embeddings: str | None = None,
+            head_levels: int | None = None) -> tuple[Checkpoint, Plan, Recipe]:
     """Headers -> recipe -> plan, with the embedding table packed or not (``embeddings``: ``--embeddings``, else
-    the recipe's; edgeq/convert/embeddings.py). Nothing but headers and config is read (GPTQ input: also each
-    layer's g_idx)."""
+    the recipe's; edgeq/convert/embeddings.py) and the head's levels (``head_levels``: ``--head-levels``, else the
+    recipe's). Nothing but headers and config is read (GPTQ input: also each layer's g_idx)."""
     ckpt, plan, recipe = _prepare(src, scheme, method, recipe_name, requantize=requantize, head_from=head_from, gptq=gptq)
     storage = resolve_storage(embeddings, recipe, plan.scheme)
-    return ckpt, pack_plan(plan, recipe, storage, explicit=embeddings is not None), recipe
+    plan = pack_plan(plan, recipe, storage, explicit=embeddings is not None)
+    return ckpt, resolve_head_levels(head_levels, recipe, plan), recipe
 
 
 def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_name: str | None, *,
@@ -190,12 +192,13 @@ def convert(
     head_from: str | Path | None = None,
     gptq: GPTQOptions | None = None,
     embeddings: str | None = None,
+    head_levels: int | None = None,
 ) -> ConvertReport:
     """Quantise ``src`` into the directory ``out`` (see the module docstring); ``prepared``: :func:`prepare`'s
     result, when the caller already has it (the CLI's plan table)."""
     t0 = time.perf_counter()
     ckpt, plan, rec = prepared or prepare(src, scheme, method, recipe, requantize=requantize, head_from=head_from,
-                                          gptq=gptq, embeddings=embeddings)
+                                          gptq=gptq, embeddings=embeddings, head_levels=head_levels)
     plan.check()
     layout = packer(plan.scheme.kernel).record(plan.scheme)
     out = Path(out).resolve()

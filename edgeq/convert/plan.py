@@ -116,6 +116,7 @@ class Plan:
     tied: bool  # the input had no separate head tensor
     source: dict = field(default_factory=dict)  # what the input was, when not a float checkpoint (GPTQ ingest)
     options: Any = None  # the method's options (edgeq.convert.calibrated.GPTQOptions for method "gptq")
+    head_levels: int = 1  # 2: the head also sums the packed table's residual level (--head-levels, convert/embeddings.py)
 
     @property
     def bytes_in(self) -> int:

@@ -12,6 +12,10 @@ schemes ignore it (one group size per checkpoint there).
 ``embeddings_storage`` (``"bf16"`` or ``"packed"``, default :data:`DEFAULT_EMBEDDINGS`) is how the input embedding
 table is written when ``--embeddings`` is not given (docs/format.md, "Packed embeddings"); a W4A8 scheme writes bf16
 whatever the recipe says (its kernel has no packed embedding path).
+
+``head_levels`` (1 or 2, default 1) is ``--head-levels`` when the flag is not given: 2 makes the output head also sum
+the packed table's residual level (docs/format.md, "Head levels"); where that cannot apply (a bf16 table, a head
+that is not the table's level 0) the recipe's 2 means 1, while the flag is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from edgeq.keys import EmbeddingStorage
 from edgeq.scheme import Scheme
 
 _KEYS = {"name", "model_types", "scheme", "method", "head", "embeddings", "keep_bf16", "group_sizes", "notes",
-         "embeddings_storage"}
+         "embeddings_storage", "head_levels"}
 # How the input embedding table is stored when neither the recipe nor --embeddings says (edgeq.keys.EmbeddingStorage).
 # "bf16" until the runtime and both integrations read packed embeddings; then this one line becomes PACKED.
 DEFAULT_EMBEDDINGS = EmbeddingStorage.BF16
@@ -46,6 +50,7 @@ class Recipe:
     source: str
     group_sizes: tuple[tuple[str, int], ...] = ()
     embeddings_storage: str = DEFAULT_EMBEDDINGS  # "bf16" | "packed" (--embeddings overrides; W4A8 schemes: bf16)
+    head_levels: int = 1  # 2: the head also sums the packed table's residual level (--head-levels overrides)
 
     def keeps(self, tensor_name: str) -> str | None:
         """The keep_bf16 pattern matching this tensor, if any."""
@@ -88,6 +93,7 @@ def load_recipe(path: Path) -> Recipe:
             source=str(path),
             group_sizes=_group_sizes(path, data.get("group_sizes", {})),
             embeddings_storage=_storage(path, data.get("embeddings_storage", DEFAULT_EMBEDDINGS)),
+            head_levels=_head_levels(path, data.get("head_levels", 1)),
         )
     except KeyError as e:
         raise EdgeqError(f"{path}: recipe needs the key {e}") from e
@@ -126,6 +132,14 @@ def _storage(path: Path, value) -> EmbeddingStorage:
     except ValueError:
         raise EdgeqError(f"{path}: embeddings_storage = {value!r}; valid: "
                          f"{', '.join(repr(str(v)) for v in EmbeddingStorage)}") from None
+
+
+def _head_levels(path: Path, value) -> int:
+    """``head_levels = 1 | 2`` validated (2 applies only where the table is packed with the head as its level 0)."""
+    if isinstance(value, bool) or value not in (1, 2):
+        raise EdgeqError(f"{path}: head_levels = {value!r}; valid: 1 (the head's own tensors), 2 (plus the packed "
+                         "embedding's residual level)")
+    return int(value)
 
 
 def all_recipes() -> list[Recipe]:

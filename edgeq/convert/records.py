@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from edgeq.convert import card
-from edgeq.convert.embeddings import format_version, manifest_record
+from edgeq.convert.embeddings import format_version, head_record, manifest_record
 from edgeq.convert.gptqmodel import METHOD as GPTQMODEL
 from edgeq.convert.gptqmodel import describe as describe_gptqmodel
 from edgeq.convert.ingest_gptq import METHOD as INGEST_METHOD
@@ -77,12 +77,15 @@ def _tensor_records(plan: Plan, order) -> dict:
 
 
 def _head_record(plan: Plan) -> dict:
-    """{"name": the recipe's head module, "quantized": true, "source", "untied"} (+ "method", "from")."""
+    """{"name": the recipe's head module, "quantized": true, "source", "untied"} (+ "method", "from", and "levels"
+    with --head-levels 2)."""
     head = {"name": plan.head_module, "quantized": True, "source": plan.head.source, "untied": plan.tied}
     if plan.method not in METHODS:  # GPTQ ingest or calibration: say how the head was made
         head["method"] = _head_method(plan)
     if plan.head.origin:
         head["from"] = plan.head.origin
+    if levels := head_record(plan):  # absent for one level: the files of --head-levels 1 are unchanged
+        head["levels"] = levels
     return head
 
 

@@ -6,7 +6,9 @@ Keys (format_version 1, and 2 when an embedding is packed)::
     scheme          "w4a16-g128"             method  "rtn" | "minmax" | "gptq"
     kernel          "tinygemm_w4a16"         the path the runtime must use
     layout          TinygemmLayout.to_json(): op, torch_version, cpu_capability, block_n, layout_hash, perms
-    head            {"name": "lm_head", "quantized": true, "source": <input tensor>, "untied": bool}
+    head            {"name": "lm_head", "quantized": true, "source": <input tensor>, "untied": bool}; with
+                    ``--head-levels 2`` also "levels": the packed embedding's levels (the head first), summed by
+                    the output head too (docs/format.md, "Head levels"); absent = one level, the head's own tensors
     quantized_modules       [module names, head included]: a non-empty list, or the manifest is refused
     modules_not_converted   {module: reason} (a list of names, as early checkpoints wrote it, reads as reason "")
     shards          {file name: sha256}
@@ -88,6 +90,15 @@ class Manifest:
         """[(level module, group size), ...] of a packed embedding, in summation order (validated by from_json)."""
         return [(lv["module"], int(lv["group_size"])) for lv in self.embeddings[module]["levels"]]
 
+    @property
+    def head_levels(self) -> list[tuple[str, int]]:
+        """[(level module, group size), ...] the output head sums (validated by from_json): the head record's
+        ``levels`` (``--head-levels 2``: the packed table's levels, the head first), else the head alone."""
+        levels = self.head.get("levels")
+        if not levels:
+            return [(self.head_name, self.group_size(self.head_name))]
+        return [(lv["module"], int(lv["group_size"])) for lv in levels]
+
     def to_json(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
@@ -134,6 +145,7 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as e:
             raise EdgeqError(f"{where}: malformed manifest (missing or bad key {e}); re-quantise the checkpoint") from e
         _check_embeddings(where, d.get("embeddings"), manifest)
+        _check_head_levels(where, manifest)
         return manifest
 
 
@@ -204,6 +216,27 @@ def _check_embeddings(where: str, record, manifest: Manifest) -> None:
         if tied and levels[0]["module"] != head_name:
             raise EdgeqError(f"{at}: the head {head_name!r} was quantised from {rec['source']}, so level 0 must be "
                              f"the head, not {levels[0]['module']!r}{fix}")
+
+
+def _check_head_levels(where: str, manifest: Manifest) -> None:
+    """The head record's optional ``levels`` (``--head-levels 2``): absent (one level), or exactly the ``levels`` list
+    of the packed embedding whose level 0 is the head (so the head's own tensors first, then the table's residual
+    level at its group size): logits = x @ (D0 + D1)^T (docs/format.md, "Head levels")."""
+    if "levels" not in manifest.head:
+        return
+    levels, name = manifest.head["levels"], manifest.head_name
+    at = f"{where}: head.levels"
+    tables = [m for m, rec in manifest.embeddings.items() if rec["levels"][0].get("module") == name]
+    if not tables:
+        raise EdgeqError(f"{at}: the head sums a second level only with a packed embedding whose level 0 is the head "
+                         f"{name!r} (none here); the checkpoint is inconsistent; re-quantise with --head-levels 1")
+    if name in (manifest.extra.get("perm_modules") or []):
+        raise EdgeqError(f"{at}: the head {name!r} is stored with an act-order permutation (perm_modules), so its "
+                         f"columns are not the table's residual's; the checkpoint is inconsistent; re-quantise")
+    want = manifest.embeddings[tables[0]]["levels"]
+    if levels != want or len(levels) != 2:
+        raise EdgeqError(f"{at} = {json.dumps(levels)} must equal {tables[0]}'s packed levels {json.dumps(want)} "
+                         f"(2 levels); the checkpoint is inconsistent; re-quantise")
 
 
 def _tinygemm_group(g) -> bool:
