@@ -17,7 +17,8 @@ Only the looked-up rows are decoded (:func:`edgeq.layouts.tinygemm.unpack_rows`)
 step reads one row (K/2 bytes and K/G scale pairs per level), a prefill of T tokens T rows, in chunks of about
 CHUNK_ELEMS values so the fp32 temporaries stay bounded. Each level keeps its own layout: the head's is the one its
 Int4Linear runs on (this machine's, after an in-memory repack of a foreign checkpoint), a stored level's is the
-checkpoint's record (read in place, never repacked, so it stays file-backed).
+checkpoint's record (read in place, never repacked, so it stays file-backed), except a residual level the head also
+sums (``--head-levels 2``): that one is the head's second Int4Linear's tensors, shared like level 0.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def _levels(where: str, name: str, info) -> list[tuple[str, int]]:
     return levels
 
 
-def _stored_level(files, info, module: str, g: int, v: int, k: int) -> EmbeddingLevel:
-    """A level with its own tensors: mapped as stored, shapes checked against the embedding and the manifest."""
+def stored_level(files, info, module: str, g: int, v: int, k: int) -> EmbeddingLevel:
+    """A level with its own tensors: mapped as stored, shapes checked against the embedding and the manifest (also
+    the head's residual level of ``--head-levels 2``: edgeq/runtime/qlinear.py)."""
     want = {".qweight": (torch.uint8, [v, k // 2]), ".scales_and_zeros": (torch.bfloat16, [k // g, v, 2])}
     got = {}
     for suffix, (dtype, shape) in want.items():
@@ -178,6 +180,16 @@ def _head_level(model: nn.Module, info, v: int, k: int) -> EmbeddingLevel:
     return EmbeddingLevel(info.head_name, head.qweight, head.scales_and_zeros, head.group_size, runtime.layout, True)
 
 
+def _shared_level(model: nn.Module, info, module: str) -> EmbeddingLevel | None:
+    """A level the head also sums (``--head-levels 2``): the head's residual Int4Linear's tensors and the layout its
+    kernel runs on (shared, counted with the head, as level 0); None for any other level."""
+    head = model.get_submodule(info.head_name)
+    lin = next((lv for lv in getattr(head, "residual_levels", ()) if lv.name == module), None)
+    if lin is None:
+        return None
+    return EmbeddingLevel(module, lin.qweight, lin.scales_and_zeros, lin.group_size, lin.runtime.layout, True)
+
+
 def swap_embeddings(model: nn.Module, files, info, result):
     """Replace the input embedding of ``model`` by a :class:`PackedEmbedding` for each packed ``embeddings`` entry
     of ``info``; returns ``result`` (an :class:`edgeq.runtime.swap.SwapResult`) with the level tensors consumed and
@@ -197,7 +209,10 @@ def swap_embeddings(model: nn.Module, files, info, result):
             if m == info.head_name:
                 levels.append(_head_level(model, info, v, k))
                 continue
-            levels.append(_stored_level(files, info, m, g, v, k))
+            if shared := _shared_level(model, info, m):
+                levels.append(shared)
+                continue
+            levels.append(stored_level(files, info, m, g, v, k))
             consumed.update({f"{m}.qweight", f"{m}.scales_and_zeros"})
         emb = PackedEmbedding(name, tuple(levels), embed_scale=_embed_scale(old))
         mapped += emb.stored_bytes

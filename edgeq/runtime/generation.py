@@ -285,9 +285,11 @@ def generate(lm, prompt: str, params: SamplingParams | None = None, chat: bool =
 
 def describe_paths(s) -> str:
     """``w4a16-g128, decode native_decode, prefill dequant_prefill (M >= 16)`` from RuntimeSettings; a bf16 model
-    has no crossover, so none is printed; a packed embedding is named (``, embeddings packed 4-bit (...)``)."""
+    has no crossover, so none is printed; a packed embedding is named (``, embeddings packed 4-bit (...)``), and a
+    head that sums the table's residual level too (``, head levels 2``)."""
     xover = f" (M >= {s.prefill_crossover})" if s.prefill_crossover is not None else ""
     emb = f", embeddings {s.embeddings}" if s.embeddings != "bf16" else ""
+    emb += f", head levels {s.head_levels}" if s.head_levels != 1 else ""
     return f"{s.scheme or 'bf16'}, decode {s.decode_path}, prefill {s.prefill_path}{xover}{emb}"
 
 
@@ -304,5 +306,5 @@ def generation_record(path, lm, r: GenerationResult, load_seconds: float) -> dic
                   "prefill_crossover": s.prefill_crossover, "decode_loop": s.decode_loop,
                   "calls": dict(lm.path_counts), "loop_calls": dict(lm.loop_counts)},
         "settings": {"max_model_len": s.max_model_len, "max_cached_tokens": s.max_cached_tokens, "threads": s.threads,
-                     "embeddings": s.embeddings},
+                     "embeddings": s.embeddings, "head_levels": s.head_levels},
     }

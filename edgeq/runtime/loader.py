@@ -65,6 +65,7 @@ class RuntimeSettings:
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
     embeddings: str = "bf16"  # the input embedding: "bf16" (mapped table) or "packed 4-bit (<levels>)", embedding.py
+    head_levels: int = 1  # 2: the head also sums the packed table's residual level (--head-levels 2, qlinear.py)
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
@@ -180,6 +181,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         copied_bytes=attached["copied"] + (swapped.copied_bytes if swapped else 0),
         **_path_settings(swapped), decode_loop=loop_used, decode_loop_reason=loop_reason, **_lean_settings(decoder),
         fused_mlps=fused.fuse_mlps(model), embeddings=swapped.embeddings if swapped else "bf16",
+        head_levels=swapped.head_levels if swapped else 1,
     )
     _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config,

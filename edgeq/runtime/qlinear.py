@@ -18,7 +18,14 @@ as W^T ``[K, rows]``, then ``addcmul(zero, q - 8, scale)`` in place (bf16 storag
 cores are shared. Any other permutation and tail blocks go through
 ``tinygemm.unpack`` (exact, slower). Worked example (AVX512, s = 64): byte 0 of a block is ``q[0, 0] | q[32, 0] << 4``,
 so the fast path writes ``q[0, 0]`` to W^T[0, 0] and ``q[32, 0]`` to W^T[0, 32].
+
+Head levels (``--head-levels 2``, manifest ``head.levels``): the output head also sums the packed embedding's residual
+level, a second :class:`Int4Linear` over the residual's tensors (``Int4Linear.residual_levels``), each level through
+the path its M selects (see :meth:`Int4Linear._linear2d_levels` for the formula and its tolerance).
 """
+
+# size: the W4A16 module, its two paths, the head's levels and its swap (the layout's runtime_class.swap_in) are one
+# unit; splitting the swap out would import Int4Linear back into it.
 
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from edgeq.io import skeleton
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.runtime import crossover
+from edgeq.runtime.embedding import stored_level
 from edgeq.runtime.sizes import format_bytes
 from edgeq.runtime.swap import SwapResult, packed_shape_error
 
@@ -173,6 +181,9 @@ class Int4Linear(nn.Module):
         self._order = _nibble_order(runtime.layout)
         self._rows = rows_per_block(self.out_features, self.in_features, runtime.layout.block_n)
         self._ranges = _ranges(self.out_features, self._rows, runtime.layout.block_n if self._order else None)
+        # --head-levels 2: the residual level(s) the head adds (a plain tuple: not child modules, so the model's
+        # modules(), its per-layer probes and the crossover probe see one head)
+        self.residual_levels: tuple[Int4Linear, ...] = ()
 
     @classmethod
     def swap_in(cls, model: nn.Module, files, info, counts, *, strict_layout: bool = False) -> SwapResult:
@@ -180,25 +191,57 @@ class Int4Linear(nn.Module):
         return swap_tinygemm(model, files, info, counts, strict_layout)
 
     def extra_repr(self) -> str:
-        return f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}, int4 tinygemm"
+        more = "".join(f" + {lv.name} g{lv.group_size}" for lv in self.residual_levels)
+        return f"{self.name}: in={self.in_features}, out={self.out_features}, group={self.group_size}{more}, int4 tinygemm"
 
     @property
     def scratch_elems(self) -> int:
-        return self._rows * self.in_features
+        return max((self._rows * self.in_features, *(lv.scratch_elems for lv in self.residual_levels)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return forward_2d(self, x)
 
     def linear2d(self, x2: torch.Tensor) -> torch.Tensor:
         """y [M, N] (a new tensor) for a contiguous bf16 x2 [M, K]: the kernel below the crossover, the dequant path
-        at and above it. The lean decode loop calls this directly (no reshapes, no module hooks)."""
+        at and above it. The lean decode loop calls this directly (no reshapes, no module hooks). A head with
+        residual levels sums them (:meth:`_linear2d_levels`)."""
         if self.perm is not None:
             x2 = self.runtime.gather(x2, self.perm)
+        if self.residual_levels:
+            return self._linear2d_levels(x2)
         if x2.shape[0] >= self.runtime.prefill_threshold:
             return self.forward_dequant(x2)  # adds the bias inside the GEMM, as nn.Linear does
         y = self.forward_kernel(x2)
         if self.bias is not None:
             y.add_(self.bias)  # y is the kernel's own new tensor; the same rounding as y + bias
+        return y
+
+    def _path(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 @ D^T without the bias, bf16 [M, N]: the kernel below the crossover, the dequant path at and above."""
+        if x2.shape[0] >= self.runtime.prefill_threshold:
+            return self.forward_dequant(x2, bias=False)
+        return self.forward_kernel(x2)
+
+    def _linear2d_levels(self, x2: torch.Tensor) -> torch.Tensor:
+        """The head of ``--head-levels 2``: every level through the path M selects (the same for all: one M), summed
+        in fp32 with one rounding, then the bias (if any) once::
+
+            y = bf16( float32(path(x, level 0)) + float32(path(x, level 1)) )  (+ bias, one more bf16 rounding)
+
+        Tolerance against the exact ``ref = x @ (D0 + D1)^T`` in fp64 (D_l the levels' fp32 dequantisations, the
+        embedding contract's), elementwise with ``a_l = |x| @ |D_l|^T``::
+
+            |y - ref| <= 2^-7 * (a_0 + a_1)
+
+        because each level's path rounds twice (the dequant path its weights to bf16, the kernel's result to bf16:
+        2^-9 * a_l each, 2^-8 * a_l together) and the sum once (2^-9 * (a_0 + a_1)): 1.5 * 2^-8 * (a_0 + a_1), plus
+        fp32 accumulation, well inside 2^-7. Worked example: x = [1], D0 = 1.25, D1 = -0.015625: y = bf16(1.25 -
+        0.015625) = 1.234375 (exact). Memory: the fp32 sum runs in chunks of SUM_CHUNK values into level 0's output."""
+        y = self._path(x2)
+        for level in self.residual_levels:
+            _add_rounded(y, level._path(x2))
+        if self.bias is not None:
+            y.add_(self.bias)
         return y
 
     def forward_kernel(self, x2: torch.Tensor) -> torch.Tensor:
@@ -208,7 +251,8 @@ class Int4Linear(nn.Module):
             return rt.native.int4_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
         return tinygemm.mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
 
-    def forward_dequant(self, x2: torch.Tensor) -> torch.Tensor:
+    def forward_dequant(self, x2: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """x2 @ W^T (+ the bias inside each GEMM unless ``bias`` is False), a row block of W at a time."""
         rt = self.runtime
         rt.counts["dequant_prefill"] += 1
         scratch = rt.scratch
@@ -219,13 +263,13 @@ class Int4Linear(nn.Module):
         with scratch.lock:
             for a, b in self._ranges:
                 wt = self.dequantize_rows_t(a, b, scratch)
-                bias = self.bias[a:b] if self.bias is not None else None
+                b_ab = self.bias[a:b] if self.bias is not None and bias else None
                 if b - a < n:
-                    out[:, a:b] = x2 @ wt if bias is None else torch.addmm(bias, x2, wt)
-                elif bias is None:
+                    out[:, a:b] = x2 @ wt if b_ab is None else torch.addmm(b_ab, x2, wt)
+                elif b_ab is None:
                     torch.mm(x2, wt, out=out)
                 else:
-                    torch.addmm(bias, x2, wt, out=out)
+                    torch.addmm(b_ab, x2, wt, out=out)
         return out
 
     def dequantize_rows_t(self, a: int, b: int, scratch: Scratch) -> torch.Tensor:
@@ -259,6 +303,17 @@ class Int4Linear(nn.Module):
         w = out_t.view(k // g, g, rows)
         sz = self.scales_and_zeros[:, a : a + rows]
         torch.addcmul(sz[:, None, :, 1], w, sz[:, None, :, 0], out=w)
+
+
+SUM_CHUNK = 1 << 18  # values of the head levels' fp32 sum at a time (1 MiB per fp32 temporary)
+
+
+def _add_rounded(y: torch.Tensor, other: torch.Tensor) -> None:
+    """``y = bf16(float32(y) + float32(other))`` in place, both bf16 [M, N], in chunks of whole rows."""
+    step = max(1, SUM_CHUNK // max(1, y.shape[1]))
+    for a in range(0, y.shape[0], step):
+        ya = y[a : a + step]
+        ya.copy_(ya.to(torch.float32).add_(other[a : a + step]))  # fp32 add, one round to nearest even
 
 
 def scratch_for(modules: list[Int4Linear]) -> Scratch:
@@ -312,10 +367,34 @@ def swap_tinygemm(model: nn.Module, files, info, counts, strict: bool = False) -
         if perm is not None:
             consumed.add(f"{name}.perm")
         skeleton.set_module(model, name, Int4Linear(name, qweight, sz, info.group_size(name), bias, runtime, perm=perm))
-    warning = repack_warning(stored, here, len(info.quantized_modules), time.perf_counter() - t0, copied) if foreign else ""
+    levels = info.manifest.head_levels[1:]
+    for m, g in levels:  # --head-levels 2: the head also sums the packed table's residual level
+        level, nbytes = _head_level(model, files, info, runtime, m, g, foreign)
+        copied, mapped = (copied + nbytes, mapped) if foreign else (copied, mapped + nbytes)
+        mapped += level.scales_and_zeros.numel() * 2
+        consumed.update({f"{m}.qweight", f"{m}.scales_and_zeros"})
+    tensors = len(info.quantized_modules) + len(levels)
+    warning = repack_warning(stored, here, tensors, time.perf_counter() - t0, copied) if foreign else ""
     return SwapResult(scheme=str(info.scheme), consumed=frozenset(consumed), mapped_bytes=mapped, copied_bytes=copied,
                       layout="repacked" if foreign else "native", layout_hash=here.layout_hash,
-                      decode_path=runtime.decode_path, prefill_path="dequant_prefill", warning=warning, runtime=runtime)
+                      decode_path=runtime.decode_path, prefill_path="dequant_prefill", warning=warning, runtime=runtime,
+                      head_levels=1 + len(levels))
+
+
+def _head_level(model: nn.Module, files, info, runtime: Runtime, module: str, g: int, foreign: bool):
+    """(the Int4Linear of the head's residual level ``module`` at G=``g``, its qweight bytes), appended to the head's
+    ``residual_levels``: the level's tensors checked as the packed embedding checks them (against the head's [V, K]
+    and the manifest's records), mapped as stored, or repacked into this machine's layout like the head when the
+    checkpoint's is foreign (the kernel reads only its own layout). The packed embedding then shares these tensors."""
+    head = model.get_submodule(info.head_name)
+    stored = stored_level(files, info, module, g, head.out_features, head.in_features)
+    qweight = stored.qweight
+    if foreign:
+        qweight = tinygemm.pack(tinygemm.unpack(qweight, head.out_features, head.in_features, stored.layout),
+                                runtime.layout)
+    level = Int4Linear(module, qweight, stored.scales_and_zeros, g, None, runtime)
+    head.residual_levels = (*head.residual_levels, level)
+    return level, qweight.numel()
 
 
 def layout_refusal(stored: TinygemmLayout, here: TinygemmLayout, strict_flag: str = "--strict-layout") -> str:

@@ -47,6 +47,7 @@ class SwapResult:
     crossover_source: str = "n/a"  # "override" | "measured" | "cached" | "n/a"
     scratch_bytes: int = 0
     embeddings: str = "bf16"  # "bf16" (the mapped table) or the packed levels: "packed 4-bit (head g32 + ...)"
+    head_levels: int = 1  # 2: the head also sums the packed table's residual level (manifest head.levels)
 
     @property
     def kernel_paths(self) -> tuple[tuple[str, str], ...]:
