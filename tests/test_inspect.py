@@ -597,7 +597,7 @@ GOLDEN = {
     ".bytes_by_category": {"quantized_linears", "linears_unquantized", "head", "embeddings", "norms", "other"},
     ".edgeq": {"format_version", "scheme", "group_size", "group_sizes", "method", "kernel", "layout_stored", "layout_machine",
                "layout_matches", "on_load", "head_quantized", "head_source", "untied", "quantized_modules",
-               "modules_not_converted", "created_by", "embeddings"},
+               "modules_not_converted", "created_by", "embeddings", "head_levels"},
     ".foreign": {"format", "quant_method", "bits", "group_size", "symmetric", "act_order", "head", "quantized_modules",
                  "bits_seen", "group_sizes_seen", "unquantized_linears", "details"},
     ".schemes[]": {"scheme", "bytes_out", "ratio", "effective_bits", "cannot_quantize"},

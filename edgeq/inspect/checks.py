@@ -69,6 +69,7 @@ def inspect_edgeq(ckpt: Checkpoint, recipe: Recipe, strict_layout: bool, problem
         untied=bool(head.get("untied")), quantized_modules=len(modules),
         modules_not_converted=dict(manifest.modules_not_converted), created_by=dict(manifest.created_by),
         group_sizes=tuple(sorted(manifest.group_sizes.items())), embeddings=embeddings,
+        head_levels=tuple(manifest.head_levels) if "levels" in head else (),
     )
     bits = 8 * q_bytes / q_weights if q_weights else None
     return EdgeqFindings(info, rows_, modules, params, bits, manifest)

@@ -130,13 +130,15 @@ class PackedChecks:
         return done
 
     def memory(self, ckpt: Checkpoint, modules: dict[str, QModule], geometry: KVGeometry, kv_cache_bytes: int,
-               max_model_len: int | None, repack: bool, embedding_parts: frozenset[str] = frozenset()) -> MemoryProjection:
+               max_model_len: int | None, repack: bool, embedding_parts: frozenset[str] = frozenset(),
+               head_weights: frozenset[str] = frozenset()) -> MemoryProjection:
         """What serving the checkpoint as stored costs (:func:`edgeq.memory.project`): every module's packed tensors
         mapped, its packed weight copied when load repacks it, the layout's scratch; ``embedding_parts`` (a packed
-        embedding's own levels) are mapped as stored and never repacked (the lookup reads the stored layout)."""
+        embedding's own levels) are mapped as stored and never repacked (the lookup reads the stored layout), except
+        ``head_weights``: the qweight of a level the head also sums (--head-levels 2), repacked with the head."""
         lay = self.layout
         parts = {f"{m}{s}" for m in modules for s in (*lay.suffixes, *lay.optional_suffixes)} | set(embedding_parts)
-        weights = {f"{m}{lay.suffixes[0]}" for m in modules}
+        weights = {f"{m}{lay.suffixes[0]}" for m in modules} | set(head_weights)
         tensors = [MemTensor(n, i.dtype, i.numel, i.nbytes, packed=n in parts, qweight=n in weights)
                    for n, i in ckpt.tensors.items()]
         big = lay.scratch((m.name, m.n, m.k) for m in modules.values())

@@ -62,6 +62,8 @@ def _render_edgeq(report: InspectReport, out) -> None:
     out.print(f"  layout {str(s.get('layout_hash'))[:12]} ({what}): [{color}]{verdict}[/{color}]; load: {e.on_load}",
               highlight=False)
     head = f"head quantised ({'untied from ' + e.head_source if e.untied else 'from ' + e.head_source})"
+    if e.head_levels:  # --head-levels 2: the head sums the packed table's levels too
+        head += f", {len(e.head_levels)} levels: " + " + ".join(f"{m} g{g}" for m, g in e.head_levels)
     mnc = ", ".join(f"{k} ({v})" for k, v in e.modules_not_converted.items()) or "none"
     out.print(f"  {head} · {e.quantized_modules} quantised modules · not converted: {mnc}", highlight=False)
     for module, t in e.embeddings.items():

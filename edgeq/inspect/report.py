@@ -112,7 +112,9 @@ def _edgeq(ckpt: Checkpoint, rec: Recipe, strict_layout: bool, memory_args: tupl
     checks = packed_checks(found.info.kernel)
     repack = not found.info.layout_matches and checks.repacks_on_load
     tables = frozenset(packed_parts(found.manifest, found.info.embeddings))
-    memory = checks.memory(ckpt, found.modules, *memory_args, repack=repack, embedding_parts=tables)
+    head_weights = frozenset(f"{m}.qweight" for m, _ in found.info.head_levels[1:])  # repacked with the head
+    memory = checks.memory(ckpt, found.modules, *memory_args, repack=repack, embedding_parts=tables,
+                           head_weights=head_weights)
     basis = "as stored" + ("; qweights repacked into anonymous memory at load" if repack else "")
     return _KindReport(found.rows, found.params, found.bits, memory, basis, edgeq=found.info,
                        manifest=found.manifest, modules=found.modules)

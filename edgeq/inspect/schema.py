@@ -60,6 +60,7 @@ class EdgeqInfo:
     # {module: {"storage": "bf16"|"packed", "source", "levels": [{"module", "group_size", "bytes", "shared"}], "bytes",
     # "bf16_bytes"}}: the input embedding table as stored (edgeq/inspect/embeddings.py)
     embeddings: dict = field(default_factory=dict)
+    head_levels: tuple = ()  # ((module, G), ...) the head sums with --head-levels 2 (manifest head.levels); () = 1
 
 
 @dataclass(frozen=True)
