@@ -211,6 +211,21 @@ def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(chec
         EdgeqConfig({"quant_method": "edgeq"}).maybe_update_config(str(doctored))
 
 
+@needs_vllm
+def test_the_config_refuses_a_head_that_reads_two_levels(checkpoints, tmp_path):
+    """--head-levels 2 (the head adds the packed table's residual level): the plugin's head would compute level 0
+    only, so the checkpoint is refused with one line naming the option, never served with worse logits."""
+    from edgeq.integrations.vllm import EdgeqConfig
+
+    doctored = tmp_path / "head-levels-2"
+    shutil.copytree(checkpoints[PACKED], doctored)
+    manifest = json.loads((doctored / "edgeq_manifest.json").read_text())
+    manifest["head"]["levels"] = manifest["embeddings"]["model.embed_tokens"]["levels"]
+    (doctored / "edgeq_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EdgeqError, match=r"head-levels-2: the head reads 2 levels \(--head-levels 2\).*--head-levels 1"):
+        EdgeqConfig({"quant_method": "edgeq"}).maybe_update_config(str(doctored))
+
+
 # --- serving: one vLLM engine per case, in a child process ----------------------------------------------------------
 
 

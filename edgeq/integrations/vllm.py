@@ -136,6 +136,10 @@ class EdgeqConfig(QuantizationConfig):
         if _perm_modules(info):
             raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
                              "re-quantise without --act-order, or serve it with `edgeq serve`")
+        if len(info.manifest.head.get("levels") or ()) > 1:  # the plugin's head computes level 0 only: refuse, never degrade
+            raise EdgeqError(f"{directory}: the head reads {len(info.manifest.head['levels'])} levels (--head-levels 2), "
+                             "which this edgeq's vLLM plugin does not serve; re-quantise with --head-levels 1, or serve "
+                             "it with `edgeq serve`")
         self.kernel, self.group_size = info.kernel, info.scheme.group_size
         self.group_sizes = dict(info.group_sizes)  # a recipe's per-module G
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
