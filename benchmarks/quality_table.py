@@ -56,19 +56,27 @@ from edgeq.runtime import load
 from edgeq.scheme import Scheme
 
 FIXTURE = DATA / "tiny-prose"
-# label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes) or "uniform" (the same, without),
-#           --embeddings: None (the recipe's choice) or "packed" (the table as 4-bit levels, tied: level 0 = the head))
+# label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes), "uniform" (the same, without) or a
+#           TOML file under benchmarks/recipes/, --embeddings: None (the recipe's choice) / "bf16" / "packed" (the table
+#           as 4-bit levels, tied: level 0 = the head), --calib: None (the bundled text for gptq) or "self" (ids sampled
+#           from the model itself: no data), --head-levels: None (the recipe's) or 2 (the head adds the residual level))
 EDGEQ_ARMS = {
-    "default": ("w4a16-g128", None, "family", None),
-    "rtn-g128": ("w4a16-g128", "rtn", "uniform", None),
-    "clip-g128": ("w4a16-g128", "clip", "uniform", None),
-    "default-g64": ("w4a16-g64", None, "family", None),
-    "rtn-g32": ("w4a16-g32", "rtn", "uniform", None),
-    "gptq": ("w4a16-g128", "gptq", "family", None),
-    "gptq-g32": ("w4a16-g32", "gptq", "uniform", None),
-    "default-packed": ("w4a16-g128", None, "family", "packed"),
-    "gptq-packed": ("w4a16-g128", "gptq", "family", "packed"),
+    "default": ("w4a16-g128", None, "family", None, None, None),
+    "default-bf16": ("w4a16-g128", None, "family", "bf16", None, None),
+    "rtn-g128": ("w4a16-g128", "rtn", "uniform", "bf16", None, None),
+    "clip-g128": ("w4a16-g128", "clip", "uniform", "bf16", None, None),
+    "default-g64": ("w4a16-g64", None, "family", "bf16", None, None),
+    "rtn-g32": ("w4a16-g32", "rtn", "uniform", "bf16", None, None),
+    "gptq": ("w4a16-g128", "gptq", "family", "bf16", None, None),
+    "gptq-g32": ("w4a16-g32", "gptq", "uniform", "bf16", None, None),
+    "default-packed": ("w4a16-g128", None, "family", "packed", None, None),
+    "gptq-packed": ("w4a16-g128", "gptq", "family", "packed", None, None),
+    "head2": ("w4a16-g128", None, "family", "packed", None, 2),
+    "gptq-self": ("w4a16-g128", "gptq", "family", "packed", "self", None),
+    "gptq-head2": ("w4a16-g128", "gptq", "family", "packed", None, 2),
+    "quality-bytes": ("w4a16-g256", "gptq", "llama-quality-bytes.toml", "packed", "self", 2),
 }
+RECIPES = Path(__file__).resolve().parent / "recipes"
 # label -> llama_cpp's ftype constant; BF16: the converted file, scored as it is (no quantisation)
 LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "BF16": None}
@@ -100,11 +108,14 @@ def edgeq_bytes(out: Path) -> int:
 
 def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> tuple[int, int, F.FidelityReport]:
     """(counted bytes, bytes of the checkpoint's *.safetensors, report) of one edgeq arm."""
-    scheme, method, recipe, embeddings = EDGEQ_ARMS[label]
+    scheme, method, recipe, embeddings, calib, head_levels = EDGEQ_ARMS[label]
     out = tmp / label
-    recipe_arg = str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform" else None
-    gptq = GPTQOptions() if method == "gptq" else None
+    recipe_arg = (str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform"
+                  else str(RECIPES / recipe) if recipe.endswith(".toml") else None)
+    gptq = (GPTQOptions(calib=calib) if calib else GPTQOptions()) if method == "gptq" else None
     extra = {"embeddings": embeddings} if embeddings else {}  # only then: runs on an edgeq without --embeddings too
+    if head_levels:
+        extra["head_levels"] = head_levels
     convert(FIXTURE, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq, **extra)
     files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     return edgeq_bytes(out), files, F.compare(ref, load(out), ctx=ctx, max_tokens=max_tokens)
@@ -282,7 +293,7 @@ def main(argv=None) -> None:
             try:
                 nbytes, fbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens)
             except EdgeqError as e:  # a packed-embedding arm on an edgeq that cannot write or load one yet
-                if EDGEQ_ARMS[label][3] is None:
+                if EDGEQ_ARMS[label][3] in (None, "bf16"):
                     raise
                 not_scored[f"edgeq {label}"] = str(e)
                 print(f"  {label}: not scored: {e}", file=sys.stderr)
