@@ -18,6 +18,7 @@ from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import open_checkpoint
 from edgeq.keys import Role
+from helpers.embeddings import reference_table
 from helpers.models import save_tiny, save_tiny_biogpt
 
 HEAD = "output_projection"
@@ -51,6 +52,15 @@ def test_a_recipe_naming_another_head(tmp_path):
     lm = load(out, max_model_len=64, kv_cache_bytes=4 << 20)
     assert getattr(lm.model.get_output_embeddings(), "edgeq_quantized", False)  # the quantised head is the model's
     ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    # the default packs the first recipe embedding (untied head: the table's own two levels; positions stay bf16);
+    # BioGPT scales its rows by a Python float (not a buffer, as Gemma-2's): E's rows times that float, as the module does
+    assert man["embeddings"]["biogpt.embed_tokens"]["levels"] == [
+        {"module": "biogpt.embed_tokens", "group_size": 32}, {"module": "biogpt.embed_tokens.residual", "group_size": 32}]
+    assert "biogpt.embed_positions.weight" in names and "biogpt.embed_tokens.weight" not in names
+    scale = model.get_input_embeddings().embed_scale
+    assert isinstance(scale, float) and scale != 1.0
+    with torch.no_grad():
+        assert torch.equal(lm.model.get_input_embeddings()(ids), reference_table(out)[ids] * scale)
     with torch.no_grad():
         got, want = lm.model(ids).logits.float(), model(ids).logits.float()
     assert float((got - want).abs().max()) <= 0.15 * float(want.abs().max())  # 4-bit rounding, not another head

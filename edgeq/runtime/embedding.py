@@ -62,12 +62,12 @@ class PackedEmbedding(nn.Module):
     """``forward(ids int64 [...]) -> bf16 [..., K]``: the rows of E (module docstring) for ``ids``.
 
     ``embed_scale`` (Gemma-2's scaled embedding: the factor of the module it replaces) multiplies the rows in bf16 as
-    that module does (``rows * embed_scale.to(bf16)``). Levels are plain attributes (not parameters or buffers):
+    that module does (``rows * embed_scale.to(bf16)``); BioGPT's is a Python float (``rows * float``). Levels are plain attributes (not parameters or buffers):
     ``.to()`` and ``.state_dict()`` never copy the mapped bytes."""
 
     edgeq_packed_embedding = True
 
-    def __init__(self, name: str, levels: tuple[EmbeddingLevel, ...], embed_scale: torch.Tensor | None = None):
+    def __init__(self, name: str, levels: tuple[EmbeddingLevel, ...], embed_scale: torch.Tensor | float | None = None):
         super().__init__()
         if not levels:
             raise EdgeqError(f"{name}: a packed embedding needs at least one level")
@@ -75,7 +75,8 @@ class PackedEmbedding(nn.Module):
         self.levels = tuple(levels)
         self.num_embeddings = levels[0].qweight.shape[0]
         self.embedding_dim = levels[0].qweight.shape[1] * 2
-        self.scale = None if embed_scale is None else embed_scale.to(torch.bfloat16)
+        # a float (BioGPT's scaled embedding) multiplies as that module does, unrounded: bf16(rows * float)
+        self.scale = embed_scale.to(torch.bfloat16) if isinstance(embed_scale, torch.Tensor) else embed_scale
         self.padding_idx = None
 
     def extra_repr(self) -> str:
@@ -235,12 +236,12 @@ def _input_embedding(model: nn.Module, name: str, where: str) -> nn.Embedding:
     return old
 
 
-def _embed_scale(old: nn.Module) -> torch.Tensor | None:
+def _embed_scale(old: nn.Module) -> torch.Tensor | float | None:
     """The factor a scaled embedding (Gemma-2) multiplies its rows by: its ``embed_scale`` buffer, or, while that is
     still on the meta device (transformers' from_pretrained fills it after the swap), the float it is filled with."""
     buf = getattr(old, "embed_scale", None)
-    if buf is None:
-        return None
+    if buf is None or isinstance(buf, (int, float)):  # BioGPT's is a plain Python number, not a buffer
+        return None if buf is None else float(buf)
     if buf.is_meta:
         return torch.tensor(float(old.scalar_embed_scale), dtype=buf.dtype, device="cpu")
     return buf
