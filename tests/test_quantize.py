@@ -15,6 +15,7 @@ from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
 from edgeq.scheme import Scheme
 from helpers.checkpoints import dir_digest
+from helpers.embeddings import check_packed_table
 from helpers.models import FAMILIES, save_tiny
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -22,7 +23,8 @@ GOLDEN = Path(__file__).parent / "golden"
 
 def check_output(src: Path, out: Path, group_size: int = 128, method: str = "rtn") -> None:
     """Every quantised module unpacks to exactly what the quantiser gives for the source weight (at the group size
-    the manifest records for it; ``group_size`` is the scheme's)."""
+    the manifest records for it; ``group_size`` is the scheme's); the input embedding is packed (the default), its
+    levels exactly the contract's; every other tensor is the source's, in bf16."""
     ref, got = open_checkpoint(src), open_checkpoint(out)
     man = read_manifest(out)
     layout = TinygemmLayout.from_json(man.layout)
@@ -44,8 +46,11 @@ def check_output(src: Path, out: Path, group_size: int = 128, method: str = "rtn
         q = tg.unpack(got.read(f"{module}.qweight"), n, k, layout)
         assert torch.equal(q, qt.q), module
         assert torch.equal(got.read(f"{module}.scales_and_zeros"), qt.scales_and_zeros), module
+    packed = {e["source"] for e in man.embeddings.values()}  # the default: the input table as 4-bit levels
+    assert packed == {"model.embed_tokens.weight"}
+    check_packed_table(src, out)  # its levels bit for bit (the contract's conversion, tests/helpers/embeddings.py)
     for name, info in ref.tensors.items():
-        if name.endswith(".weight") and name.removesuffix(".weight") in man.quantized_modules:
+        if name.endswith(".weight") and name.removesuffix(".weight") in man.quantized_modules or name in packed:
             assert name not in got.tensors  # one copy: the float weight is gone
         else:
             assert got.tensors[name].dtype == "BF16" and got.tensors[name].shape == info.shape
@@ -95,7 +100,11 @@ def test_group_sizes_and_minmax(tmp_path, g):
 
 
 def test_fixture_golden_header_and_manifest(fixture_model, fixture_quantized):
-    """Tensor names, dtypes, shapes and offsets of the output, and the manifest minus machine-specific fields."""
+    """Tensor names, dtypes, shapes and offsets of the default output (packed embeddings), and the manifest minus
+    machine-specific fields. The packed golden is the bf16 one (tests/golden/tiny-prose-w4a16-g128.json, what
+    ``--embeddings bf16`` writes: tests/test_embeddings_convert.py) with the 4096 x 256 bf16 table replaced by its
+    residual level: level 0 is the head (tied), so only ``model.embed_tokens.qweight`` U8 [4096, 128] (4096 * 256 / 2
+    = 524288 bytes) and ``.scales_and_zeros`` BF16 [256 / 128, 4096, 2] (32768 bytes), written last."""
     from edgeq.io.safetensors import read_header
 
     tensors, meta = read_header(fixture_quantized / "model.safetensors")
@@ -103,11 +112,24 @@ def test_fixture_golden_header_and_manifest(fixture_model, fixture_quantized):
     man = json.loads((fixture_quantized / "edgeq_manifest.json").read_text())
     for key in ("layout", "shards", "created_by"):
         man.pop(key)
-    golden = json.loads((GOLDEN / "tiny-prose-w4a16-g128.json").read_text())
+    golden = json.loads((GOLDEN / "tiny-prose-w4a16-g128-packed.json").read_text())
     assert header == golden["header"]
-    assert meta == {"format": "pt", "edgeq_format_version": "1"}
+    assert meta == {"format": "pt", "edgeq_format_version": "2"}
     assert man == golden["manifest"]
     check_output(fixture_model, fixture_quantized)
+    # the packed golden against the bf16 one: the same tensors but the table, the same manifest but its records
+    bf16 = json.loads((GOLDEN / "tiny-prose-w4a16-g128.json").read_text())
+    table, levels = "model.embed_tokens.weight", {"model.embed_tokens.qweight": ["U8", [4096, 128], 524288],
+                                                  "model.embed_tokens.scales_and_zeros": ["BF16", [2, 4096, 2], 32768]}
+    assert bf16["header"][table][:2] == ["BF16", [4096, 256]]
+    assert {n: [d, s, b] for n, (d, s, _, b) in header.items()} == {
+        **{n: [d, s, b] for n, (d, s, _, b) in bf16["header"].items() if n != table}, **levels}
+    assert max(header.values(), key=lambda t: t[2]) == header["model.embed_tokens.scales_and_zeros"]  # last
+    records = {n: {"role": "embedding", "source": table, "dtype": d, "shape": s} for n, (d, s, _) in levels.items()}
+    assert man == {**bf16["manifest"], "format_version": 2,
+                   "tensors": {**{n: r for n, r in bf16["manifest"]["tensors"].items() if n != table}, **records},
+                   "embeddings": {"model.embed_tokens": {"storage": "packed", "source": table, "levels": [
+                       {"module": "lm_head", "group_size": 32}, {"module": "model.embed_tokens", "group_size": 128}]}}}
 
 
 def test_dequantised_model_stays_close(fixture_model, fixture_quantized):

@@ -112,3 +112,45 @@ def with_table(qdir: Path, table: torch.Tensor, out: Path) -> Path:
     manifest["shards"] = {shard: sha256_file(out / shard)}
     (out / "edgeq_manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def check_packed_table(src: Path, qdir: Path) -> torch.Tensor:
+    """Assert that the packed input embedding of the edgeq checkpoint ``qdir`` is, bit for bit, what the contract's
+    conversion makes from the input checkpoint ``src``: an own level 0 is ``quantize_groups(W, G0, "rtn")``; the
+    residual is ``quantize_groups(float32(W) - D_0, G1, "rtn")`` with D_0 the level 0 as stored (a tied level 0 is
+    the head: its own bits are the caller's to check); the float table is not written; each own level's tensors are
+    recorded with role "embedding". Returns E (bf16 [V, K]), which is closer to W than level 0 alone."""
+    from edgeq.io.hf import open_checkpoint
+
+    manifest = json.loads((Path(qdir) / "edgeq_manifest.json").read_text())
+    (entry,) = manifest["embeddings"].values()
+    assert entry["storage"] == "packed" and manifest["format_version"] == 2, entry
+    ref, got, files = open_checkpoint(src), open_checkpoint(qdir), MappedFiles(qdir)
+    source, layout = entry["source"], _layout(manifest)
+    w = ref.read(source)
+    assert source not in got.tensors  # the bf16 table is replaced by its levels
+    first, residual = entry["levels"][0], entry["levels"][-1]
+    head, base = manifest["head"]["name"], int(manifest["scheme"].rsplit("-g", 1)[1])
+    # level 0 at the head's group size (the recipe's, e.g. g32), the residual at the scheme's base group size
+    assert len(entry["levels"]) == 2 and residual["group_size"] == base
+    assert first["group_size"] == manifest.get("group_sizes", {}).get(head, base)
+    if first["module"] == head:  # tied: the head, quantised from this very table
+        assert manifest["head"]["source"] == source
+        own = entry["levels"][1:]
+    else:
+        own = entry["levels"]
+        qt = quantize_groups(w, first["group_size"], "rtn")
+        assert torch.equal(tinygemm.unpack(files.get(f"{first['module']}.qweight"), *w.shape, layout), qt.q)
+        assert torch.equal(files.get(f"{first['module']}.scales_and_zeros"), qt.scales_and_zeros)
+    d0 = dequantized_level(files, manifest, first["module"], first["group_size"])
+    qt = quantize_groups(w.to(torch.float32) - d0, residual["group_size"], "rtn")
+    assert torch.equal(tinygemm.unpack(files.get(f"{residual['module']}.qweight"), *w.shape, layout), qt.q)
+    assert torch.equal(files.get(f"{residual['module']}.scales_and_zeros"), qt.scales_and_zeros)
+    for lv in own:
+        for suffix in (".qweight", ".scales_and_zeros"):
+            rec = manifest["tensors"][lv["module"] + suffix]
+            assert rec["role"] == "embedding" and rec["source"] == source, rec
+    table = reference_table(qdir)
+    wf = w.to(torch.float32)
+    assert float((table.float() - wf).norm()) < float((d0.to(torch.bfloat16).float() - wf).norm())
+    return table
