@@ -129,7 +129,10 @@ def test_unsupported_architecture(tmp_path, capsys, src):
 
 def test_group_size_rule_lists_every_tensor(tmp_path, capsys, src):
     err = expect_error(tmp_path, capsys, src, "cannot be quantised with w4a16-g256", "--scheme", "w4a16-g256")
-    assert err.count("K=128 is not a multiple of the group size 256") == 13  # 2 layers x 6 + the head
+    # 2 layers x 6 + the head + the packed table's residual level (the default; tied: its level 0 is the head)
+    assert err.count("K=128 is not a multiple of the group size 256") == 14
+    assert ("model.embed_tokens.weight [256, 128] (--embeddings packed, level model.embed_tokens g256): K=128 is not "
+            "a multiple of the group size 256; use a group size of 32, 64, 128; or --embeddings bf16") in err
 
 
 def test_existing_output_needs_force(tmp_path, capsys, src):

@@ -25,6 +25,7 @@ from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.quantize.rtn import quantize_groups
 from helpers.checkpoints import dir_digest
 from helpers.cli import run_cli
+from helpers.embeddings import check_packed_table, reference_table
 from helpers.gptq import act_order_g_idx, make_gptq, pack_gptq
 from helpers.models import make_config
 from helpers.paths import DATA, FIXTURE
@@ -185,8 +186,12 @@ def test_ingest_is_exact(tmp_path, capsys, fmt, act_order):
     assert cfg["quantization_config"]["method"] == "gptq-ingest" and cfg["quantization_config"]["head_quantized"]
     got, ref = open_checkpoint(out), open_checkpoint(src)
     assert not any(n.endswith((".qzeros", ".scales", ".g_idx")) for n in got.tensors)
-    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight"):
+    for name in ("model.norm.weight", "model.layers.1.input_layernorm.weight"):
         assert got.tensors[name].dtype == "BF16" and torch.equal(got.read(name), ref.read(name).to(torch.bfloat16))
+    # the float table is packed (the default): an own head (GPTQ), so both levels are the table's own, made by rtn
+    assert [lv["module"] for lv in man["embeddings"]["model.embed_tokens"]["levels"]] == [
+        "model.embed_tokens", "model.embed_tokens.residual"]
+    check_packed_table(src, out)
 
 
 def test_runtime_computes_the_gptq_model(tmp_path, capsys):
@@ -207,6 +212,8 @@ def test_runtime_computes_the_gptq_model(tmp_path, capsys):
             if module in layers:
                 # the edgeq weights (bf16 parameters), so only the runtime's bf16 arithmetic differs
                 p.copy_(read_module(tmp_path / "out", module, 32)[2].float())
+            elif name == "model.embed_tokens.weight":  # the default packs it: the runtime reads E (the contract)
+                p.copy_(reference_table(tmp_path / "out").float())
             else:
                 p.copy_(ck.read(name).float())
     ids = torch.tensor([[3, 17, 99, 5, 250, 41, 7, 8, 100, 2, 64, 33]])
@@ -554,7 +561,10 @@ def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):
                      progress=lambda n, label: labels.append(label))
     got = open_checkpoint(tmp_path / "out")
     assert not any(n.endswith(".perm") for n in got.tensors) and report.method == "gptq" and report.quantized == 14
-    assert "layer 3/3, ETA" in " ".join(labels) and labels[-1].startswith("layer 3/3")  # 2 layers + the head
+    # 2 layers + the head; then the packed table (the default), written after the head its residual reads back
+    last = max(i for i, label in enumerate(labels) if label.startswith("layer "))
+    assert "layer 3/3, ETA" in " ".join(labels) and labels[last].startswith("layer 3/3")
+    assert labels[last + 1:] and set(labels[last + 1:]) == {"model.embed_tokens.weight"}
     ref = open_checkpoint(src)
     kept = "model.layers.1.mlp.down_proj"
     assert torch.equal(got.read(f"{kept}.weight"), ref.read(f"{kept}.weight"))
