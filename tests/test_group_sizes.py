@@ -132,20 +132,36 @@ def test_family_recipes_name_finer_groups_for_the_sensitive_tensors():
     assert r.group_size("model.layers.0.self_attn.o_proj.weight", 128) == 128
 
 
-def test_manifest_group_sizes_checked_at_load(tmp_path):
+@pytest.mark.parametrize("embeddings", ["bf16", None])
+def test_manifest_group_sizes_checked_at_load(tmp_path, embeddings):
+    """A doctored head group size is refused at load. With a bf16 table (pinned: the group_sizes record is then the
+    only place the head's G is written) by the layout's check; with the default packed table the head's G is also
+    the table's level 0, so changing one alone is an inconsistent manifest, and changing both is refused as above."""
     from edgeq.errors import EdgeqError
     from edgeq.runtime import load
 
     src = save_tiny("llama", tmp_path / "src", tied=True)
     out = tmp_path / "out"
-    convert(src, out, recipe=str(_recipe(tmp_path)))
+    convert(src, out, recipe=str(_recipe(tmp_path)), embeddings=embeddings)
     path = out / "edgeq_manifest.json"
     raw = json.loads(path.read_text())
-    raw["group_sizes"]["lm_head"] = 48
-    path.write_text(json.dumps(raw))
-    with pytest.raises(EdgeqError, match=r"group_sizes\['lm_head'\] = 48 is not a tinygemm group size"):
+    assert ("embeddings" in raw) == (embeddings is None)
+
+    def doctor(g: int, level0: bool = True) -> None:
+        raw["group_sizes"]["lm_head"] = g
+        if embeddings is None and level0:  # tied: level 0 of the packed table is the head, at the head's G
+            raw["embeddings"]["model.embed_tokens"]["levels"][0] = {"module": "lm_head", "group_size": g}
+        path.write_text(json.dumps(raw))
+
+    if embeddings is None:
+        doctor(64, level0=False)
+        with pytest.raises(EdgeqError, match=r"levels\[0\] is the head at group size 32, but the head is quantised at 64"):
+            load(out)
+    doctor(48)
+    with pytest.raises(EdgeqError, match=r"group_sizes\['lm_head'\] = 48 is not a tinygemm group size" if embeddings
+                       else r"levels\[0\] = \{'module': 'lm_head', 'group_size': 48\}: needs a module name and a "
+                            r"tinygemm group size"):
         load(out)
-    raw["group_sizes"]["lm_head"] = 64  # valid, but not what the stored scales_and_zeros hold
-    path.write_text(json.dumps(raw))
-    with pytest.raises(EdgeqError, match="lm_head"):
+    doctor(64)  # valid, but not what the stored scales_and_zeros hold
+    with pytest.raises(EdgeqError, match=r"lm_head.scales_and_zeros: expected bf16 \[2, 256, 2\] for N=256, K=128, G=64"):
         load(out)
