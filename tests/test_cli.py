@@ -41,8 +41,11 @@ def commands():
 
 @pytest.mark.parametrize("command, expected", [
     ("quantize", ["Output directory [default: MODEL-<scheme>]",
-                  "calibration text [default: the bundled edgeq/data/calib-prose.txt]",
-                  "calibration windows [default: 128]", "[default: 0.01]", "e.g. 2GiB, 500MB. [default: 2GiB]"]),
+                  "calibration text, or 'self': token ids sampled from the model itself",
+                  "of them) [default: the bundled edgeq/data/calib-prose.txt]",
+                  "calibration windows [default: 128 for a text; for --calib self, max(32, ceil(4 x the widest "
+                  "Linear input / --seqlen))]", "tokens per window [default: 512 for a text; 256 for --calib self]",
+                  "[default: 0.01]", "e.g. 2GiB, 500MB. [default: 2GiB]"]),
     ("generate", ["[default: 64]", "0 = greedy. [default: 0.0]", "[default: random]", "[default: 256MiB]",
                   "[default: torch's default, one per physical core]"]),
     ("serve", ["[default: 127.0.0.1]", "[default: 8000]", "[default: 1MiB]", "[default: 8]",
@@ -54,6 +57,17 @@ def test_help_shows_the_defaults(command, expected, capsys):
     assert code == 0
     for text in expected:
         assert text in flat(out), text
+
+
+def test_quantize_help_states_the_calibration_defaults_the_code_uses():
+    """The numbers in --nsamples/--seqlen help are the code's (the CLI module cannot import them: no torch at --help)."""
+    from edgeq.convert import calibrated, selfcal
+
+    assert (calibrated.TEXT_NSAMPLES, calibrated.TEXT_SEQLEN) == (128, 512)
+    assert (selfcal.NSAMPLES, selfcal.TOKENS_PER_K, selfcal.SEQLEN) == (32, 4, 256)
+    assert calibrated.GPTQOptions(calib="self").seqlen == 256 and calibrated.GPTQOptions().nsamples == 128
+    assert selfcal.default_nsamples(768, 256) == 32 and selfcal.default_nsamples(8960, 256) == 140  # ceil(35840/256)
+    assert selfcal.default_nsamples(8960, 512) == 70  # over --seqlen, not a fixed 256
 
 
 @pytest.mark.parametrize("command", ["quantize", "recipes", "generate", "serve", "repack", "demo", "native",

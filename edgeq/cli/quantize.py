@@ -32,8 +32,12 @@ def quantize(
                                          "ids sampled from the model itself (seed 0; default 256-token windows, "
                                          "max(32, 4 x the widest Linear input / 256) of them) "
                                          "[default: the bundled edgeq/data/calib-prose.txt]."),
-    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128]."),
-    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512]."),
+    # --calib self picks its own count and length (edgeq.convert.selfcal: NSAMPLES, TOKENS_PER_K, SEQLEN)
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128 "
+                                           "for a text; for --calib self, max(32, ceil(4 x the widest Linear input / "
+                                           "--seqlen))]."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512 for a "
+                                         "text; 256 for --calib self]."),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
                                              "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
     damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
