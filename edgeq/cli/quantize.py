@@ -13,6 +13,12 @@ from edgeq.console import emit, err, out
 from edgeq.io.hub import REVISION_HELP, resolve_model
 from edgeq.runtime.sizes import parse_bytes
 
+# --calib self picks its own count and length (edgeq.convert.selfcal: NSAMPLES, TOKENS_PER_K, SEQLEN; not imported:
+# torch is not loaded for --help); a text's are edgeq.convert.calibrated.TEXT_NSAMPLES / TEXT_SEQLEN
+_NSAMPLES_HELP = ("--method gptq: calibration windows [default: 128 for a text; for --calib self, max(32, ceil(4 x the "
+                  "widest Linear input / --seqlen))].")
+_SEQLEN_HELP = "--method gptq: tokens per window [default: 512 for a text; 256 for --calib self]."
+
 
 def quantize(
     model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
@@ -32,12 +38,8 @@ def quantize(
                                          "ids sampled from the model itself (seed 0; default 256-token windows, "
                                          "max(32, 4 x the widest Linear input / 256) of them) "
                                          "[default: the bundled edgeq/data/calib-prose.txt]."),
-    # --calib self picks its own count and length (edgeq.convert.selfcal: NSAMPLES, TOKENS_PER_K, SEQLEN)
-    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="--method gptq: calibration windows [default: 128 "
-                                           "for a text; for --calib self, max(32, ceil(4 x the widest Linear input / "
-                                           "--seqlen))]."),
-    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="--method gptq: tokens per window [default: 512 for a "
-                                         "text; 256 for --calib self]."),
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", help=_NSAMPLES_HELP),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", help=_SEQLEN_HELP),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
                                              "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
     damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
