@@ -153,7 +153,7 @@ def ckpts(tmp_path_factory):
     srcs = {"tied": FIXTURE, "untied": save_tiny("llama", root / "untied-hf", tied=False),
             "gemma2": save_tiny("gemma2", root / "gemma2-hf", tied=True)}
     for name, src in srcs.items():
-        q = quantize(src, root / f"{name}-q", group_size=32)
+        q = quantize(src, root / f"{name}-q", group_size=32, embeddings="bf16")  # the bf16-table twin, explicitly
         p = root / f"{name}-p"
         convert(src, p, Scheme.parse("w4a16-g32"), method="minmax", force=True, embeddings="packed")
         out[name] = (q, p, with_table(q, reference_table(p), root / f"{name}-e"))

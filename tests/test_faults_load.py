@@ -24,7 +24,7 @@ from edgeq.inspect.report import inspect_checkpoint
 from edgeq.runtime import SamplingParams, generate, load, repack
 from edgeq.runtime.generation import Generation, encode_prompt
 from edgeq.io.mapped import MappedFiles
-from helpers.checkpoints import prose_checkpoint
+from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.cli import run_cli
 from helpers.paths import FIXTURE
 
@@ -131,32 +131,55 @@ def test_verify_refuses_what_it_cannot_check(prose, tmp_path):
 # -------------------------------------------------------------------------------------------- generation: NaN/Inf
 
 
+@pytest.fixture(scope="module")
+def prose_bf16(tmp_path_factory):
+    """The bundled model quantised as ``prose`` is, its table kept bf16 (--embeddings bf16)."""
+    return quantize(FIXTURE, tmp_path_factory.mktemp("prose-bf16") / "q", group_size=128, embeddings="bf16")
+
+
 @pytest.mark.slow
-def test_head_scales_at_the_bf16_maximum_stop_generation_naming_the_head(prose, tmp_path):
+@pytest.mark.parametrize("storage, first", [("bf16", "lm_head"), ("packed", "model.embed_tokens")])
+def test_head_scales_at_the_bf16_maximum_stop_generation_naming_the_head(prose, prose_bf16, tmp_path, storage, first):
     """Finite scales (the load check passes) whose products overflow: the first logits are +-inf. Before this
-    check, greedy argmax over them streamed token 0 (empty text) with exit 0."""
-    bad = _copy(prose, tmp_path / "bad")
+    check, greedy argmax over them streamed token 0 (empty text) with exit 0. With the default packed table the
+    head's tensors are also the table's level 0, so the first module whose output is not finite is the embedding
+    (it runs first); with a bf16 table it is the head."""
+    bad = _copy(prose if storage == "packed" else prose_bf16, tmp_path / "bad")
     _poke(bad, "lm_head.scales_and_zeros", lambda t: t[..., 0].fill_(BF16_MAX))
     lm = load(bad, prefill_threshold=4)
-    with pytest.raises(DamagedCheckpointError, match=r"logits of generated token 1 are not finite.*first non-finite output: lm_head\."):
+    with pytest.raises(DamagedCheckpointError, match=rf"logits of generated token 1 are not finite.*first non-finite output: {first}\."):
         generate(lm, PROMPT, SamplingParams(max_tokens=8))
     r = _subprocess_cli("generate", str(bad), PROMPT, "--max-tokens", "8")
     assert r.returncode == 2, r.stderr
     assert r.stdout == ""  # no text at all
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "first non-finite output: lm_head" in last and "edgeq inspect --verify" in last
+    assert last.startswith("error: ") and f"first non-finite output: {first}" in last and "edgeq inspect --verify" in last
 
 
-def test_a_damaged_embedding_row_stops_the_decode_loop_at_that_token(prose, tmp_path):
-    """The fault shows only when a token whose embedding row is NaN is fed back (a decode step, the lean loop):
-    generation streams the tokens before it, then stops naming the embedding, never a stream of empty tokens."""
+def _damage_row(directory: Path, row: int) -> None:
+    """One token's embedding row made non-finite with finite stored values where the load check cannot see it:
+    a bf16 table's row NaN; a packed table's (the default) residual scales of that row at the bf16 maximum (finite,
+    so load's NaN/Inf check on scales passes, but (q - 8) * scale overflows fp32 for |q - 8| >= 2: E's row is
+    +-inf). scales_and_zeros is [K/G, V, 2], rows unpermuted."""
+    if "model.embed_tokens.weight" in MappedFiles(directory).names():
+        _poke(directory, "model.embed_tokens.weight", lambda t: t[row].fill_(float("nan")))
+    else:
+        _poke(directory, "model.embed_tokens.scales_and_zeros", lambda t: t[:, row, 0].fill_(BF16_MAX))
+
+
+@pytest.mark.parametrize("storage", ["packed", "bf16"])
+def test_a_damaged_embedding_row_stops_the_decode_loop_at_that_token(prose, prose_bf16, tmp_path, storage):
+    """The fault shows only when a token whose embedding row is not finite is fed back (a decode step, the lean
+    loop): generation streams the tokens before it, then stops naming the embedding, never a stream of empty
+    tokens."""
+    src = prose if storage == "packed" else prose_bf16
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    lm = load(prose, prefill_threshold=4)
+    lm = load(src, prefill_threshold=4)
     clean = generate(lm, PROMPT, params)
     prompt_ids = encode_prompt(lm, PROMPT, chat=False)
     k = next(i for i, t in enumerate(clean.token_ids) if t not in prompt_ids and t not in clean.token_ids[:i])
-    bad = _copy(prose, tmp_path / "bad")
-    _poke(bad, "model.embed_tokens.weight", lambda t: t[clean.token_ids[k]].fill_(float("nan")))
+    bad = _copy(src, tmp_path / "bad")
+    _damage_row(bad, clean.token_ids[k])
     lm = load(bad, prefill_threshold=4)
     assert lm.settings.decode_loop == "lean"
     g = Generation(lm, prompt_ids, params)
@@ -190,12 +213,18 @@ def test_every_field_of_the_config_layout_record_is_checked(prose, tmp_path, cap
     assert code == 1 and f"quantization_config.layout.{key}" in out + err
 
 
-def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, tmp_path, capsys):
+def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, prose_bf16, tmp_path, capsys):
     bad = _copy(prose, tmp_path / "bad")
     _edit_config(bad, lambda c: c.update(hidden_size=128))
     with pytest.raises(EdgeqError, match="config.json implies"):
         load(bad, prefill_threshold=4)
     problems = inspect_checkpoint(bad, verify=True).problems
+    # the default packed table: its level 0 is the head, and a plain tensor (the final norm) is named too
+    assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)
+    assert any("model.norm.weight: checkpoint shape [256] but config.json implies [128]" in p for p in problems)
+    bad_bf16 = _copy(prose_bf16, tmp_path / "bad-bf16")  # a bf16 table is a plain tensor: named by its shape
+    _edit_config(bad_bf16, lambda c: c.update(hidden_size=128))
+    problems = inspect_checkpoint(bad_bf16, verify=True).problems
     assert any("model.embed_tokens.weight: checkpoint shape [4096, 256] but config.json implies [4096, 128]" in p
                for p in problems), problems
     assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)

@@ -161,7 +161,7 @@ def test_cli_writes_the_record_and_nothing_else(ckpts, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "--head-levels 2: the embedding table is bf16, and the second level is a packed table's residual; add "
+    (["--embeddings", "bf16"], "--head-levels 2: the embedding table is bf16, and the second level is a packed table's residual; add "
          "--embeddings packed, or use --head-levels 1"),
     (["--embeddings", "packed", "--method", "gptq", "--act-order"],
      "--head-levels 2: the head must be the packed table's level 0, and the head is written with an act-order "
@@ -184,7 +184,8 @@ def test_cli_refuses_an_untied_head(tmp_path, capsys):
 
 
 def test_recipe_key(tmp_path, capsys):
-    """A recipe's head_levels = 2 applies where it can (packed table), means 1 where it cannot (bf16 table)."""
+    """A recipe's head_levels = 2 applies where it can (packed table: the default), means 1 where it cannot (bf16
+    table)."""
     recipe = tmp_path / "h2.toml"
     recipe.write_text('name = "h2"\nmodel_types = ["llama"]\nhead_levels = 2\n'
                       "group_sizes = { 'lm_head\\.weight$' = 32 }\n")
@@ -192,6 +193,9 @@ def test_recipe_key(tmp_path, capsys):
                            capsys)
     assert code == 0 and json.loads(out)["embeddings"]["head_levels"] == 2
     code, out, _ = run_cli(["quantize", FIXTURE, "--dry-run", "--json", "--recipe", recipe], capsys)
+    assert code == 0 and json.loads(out)["embeddings"]["head_levels"] == 2  # the default table is packed
+    code, out, _ = run_cli(["quantize", FIXTURE, "--dry-run", "--json", "--recipe", recipe, "--embeddings", "bf16"],
+                           capsys)
     assert code == 0 and "head_levels" not in json.loads(out)["embeddings"]
     code, out, _ = run_cli(["quantize", FIXTURE, "--dry-run", "--json", "--recipe", recipe, "--embeddings", "packed",
                             "--head-levels", "1"], capsys)

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime import generate_ids, load
+from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.runtime.lean import rope_tables
 from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.models import save_hf, tiny_model
@@ -252,7 +253,10 @@ def test_decode_loop_choice_from_argument_and_environment(prose, monkeypatch):
 def test_lean_decoder_copies_no_weight(prose):
     lm = load(prose, prefill_threshold=4, max_model_len=512, kv_cache_bytes="1MiB")
     dec, body = lm.decoder, lm.model.model
-    assert dec.embed is body.embed_tokens.weight  # the mapped view itself
+    # the default packed table (issue 16): the lookup of the loaded PackedEmbedding itself, whose levels are the
+    # mapped tensors (the head's for level 0), not a decoded copy
+    assert isinstance(body.embed_tokens, PackedEmbedding) and dec.embed is body.embed_tokens
+    assert body.embed_tokens.levels[0].qweight is lm.model.lm_head.qweight
     assert all(L.w_in is layer.input_layernorm.weight and L.keys is c.keys
                for L, layer, c in zip(dec.layers, body.layers, lm.cache.layers))
     assert dec.layers[0].q.fn == body.layers[0].self_attn.q_proj.linear2d  # the loaded Int4Linear, bound

@@ -19,6 +19,7 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
 from edgeq.runtime import LayoutRepackWarning, SamplingParams, generate, load, parse_bytes, repack
 from edgeq.cli.generate import generate_command
+from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.runtime.generation import Generation, encode_prompt
 from helpers.checkpoints import avx2_like_layout, prose_checkpoint, quantize, synthetic_checkpoint, write_reference
 from helpers.models import ARCHS, save_hf, tiny_model
@@ -97,7 +98,11 @@ def test_settings_read_back_and_untied_head(ckpts):
     assert s.quantized and s.scheme == "w4a16-g32" and s.prefill_crossover == 7 and s.crossover_source == "override"
     assert s.layout == "native" and s.copied_bytes == 0 and s.threads == torch.get_num_threads()
     assert getattr(lm.model.lm_head, "edgeq_quantized", False)  # Gemma-2's tied head runs as its own int4 tensor
-    assert lm.model.lm_head.qweight.data_ptr() != lm.model.model.embed_tokens.weight.data_ptr()
+    # the default packed table (issue 16) reads the head's own mapped int4 tensors as its level 0 (shared, not a
+    # copy) plus its own residual level
+    emb = lm.model.model.embed_tokens
+    assert isinstance(emb, PackedEmbedding) and emb.levels[0].qweight is lm.model.lm_head.qweight
+    assert emb.levels[1].qweight.data_ptr() != lm.model.lm_head.qweight.data_ptr()
     # nothing quantised is a plain Linear any more
     assert not [n for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)]
 
@@ -159,7 +164,9 @@ def test_foreign_layout_is_repacked_with_warning_or_refused(ckpts, tmp_path):
     # this machine's own layout (ATEN_CPU_CAPABILITY=avx2)
     layout = avx2_like_layout() if not avx2_like_layout().is_compatible(tinygemm.probe()) else _adjacent_layout(64)
     report = repack(q, foreign, layout=layout)
-    assert report.changed and report.tensors == 2 * 7 + 1  # 7 linears a layer, and the head
+    # 7 linears a layer x 2 layers, the head, and the packed table's two levels (Qwen2 here is untied:
+    # model.embed_tokens at the head's G + model.embed_tokens.residual)
+    assert report.changed and report.tensors == 2 * 7 + 1 + 2
     meta = json.loads((foreign / "edgeq_manifest.json").read_text())
     assert meta["layout"]["block_n"] == layout.block_n
     with pytest.raises(EdgeqError, match="run `edgeq repack`"):

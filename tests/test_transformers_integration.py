@@ -16,6 +16,7 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.integrations import EdgeqIntegrationWarning, _state, register_transformers
+from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.scheme import Scheme
 from helpers.models import save_tiny
 from helpers.paths import REPO
@@ -101,9 +102,16 @@ def test_quantised_modules_view_the_mapped_file(checkpoints, scheme):
     assert model.edgeq.copied_bytes == 0 and model.edgeq.layout == "native"
     for name, p in model.named_parameters():  # the rest, loaded by transformers: mapped too (safetensors' mmap)
         assert _mapped_file(p.data_ptr()) == shard, name
+    # the default stores the tied table packed for w4a16 (issue 16; w4a8 has no packed lookup: bf16): its own
+    # residual level is mapped from the shard too, its level 0 is the head's tensors (counted with the head)
+    emb = model.get_input_embeddings()
+    own = [t for lv in getattr(emb, "levels", ()) if not lv.shared for t in (lv.qweight, lv.scales_and_zeros)]
+    assert isinstance(emb, PackedEmbedding) == scheme.startswith("w4a16") and len(own) == (2 if scheme.startswith("w4a16") else 0)
+    assert all(_mapped_file(t.data_ptr()) == shard for t in own)
     assert model.edgeq.mapped_bytes == sum(t.numel() * t.element_size() for m in quantised for t in
                                            ([m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16")
-                                            else [m.qweight, m.scales, m.zeros]))
+                                            else [m.qweight, m.scales, m.zeros])) + \
+        sum(t.numel() * t.element_size() for t in own)
 
 
 def test_checkpoint_with_todays_keys_still_loads(checkpoints, tmp_path):

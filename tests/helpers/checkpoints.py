@@ -49,27 +49,34 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copy(src / f, out / f)
 
 
-def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax") -> Path:
-    """The real `edgeq quantize` pipeline (edgeq.convert.pipeline)."""
+def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax", embeddings: str | None = None) -> Path:
+    """The real `edgeq quantize` pipeline (edgeq.convert.pipeline); ``embeddings`` = --embeddings (None: the default,
+    packed)."""
     from edgeq.convert.pipeline import convert
     from edgeq.scheme import Scheme
 
-    convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, force=True)
+    convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, force=True, embeddings=embeddings)
     return out
 
 
 def write_reference(qdir: Path, out: Path) -> Path:
     """A bf16 HF checkpoint equal to the edgeq checkpoint ``qdir`` with every quantised Linear replaced by its
-    dequantised weight (unpacked with the manifest's layout): the reference the runtime must match."""
+    dequantised weight (unpacked with the manifest's layout) and a packed input embedding materialised as its bf16
+    table E (helpers.embeddings.reference_table, the contract's formula): the reference the runtime must match."""
     from edgeq.io.mapped import MappedFiles
+    from helpers.embeddings import reference_table
 
     manifest = json.loads((qdir / "edgeq_manifest.json").read_text())
     layout = tinygemm.TinygemmLayout.from_json(manifest["layout"])
     g = int(manifest["scheme"].rsplit("-g", 1)[1])
     files = MappedFiles(qdir)
     state = {}
+    # a packed table's own levels are not Linears: E replaces them (a tied head's level 0 stays the head's Linear)
+    levels = {lv["module"] for e in manifest.get("embeddings", {}).values() for lv in e["levels"]} - {manifest["head"]["name"]}
+    for table in manifest.get("embeddings", {}):
+        state[f"{table}.weight"] = reference_table(qdir)
     for name in files.names():
-        if name.endswith(".scales_and_zeros"):
+        if name.endswith(".scales_and_zeros") or name.rsplit(".", 1)[0] in levels:
             continue
         t = files.get(name)
         if name.endswith(".qweight"):
