@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from edgeq.convert.embeddings import pack_plan, resolve_storage
 from edgeq.convert.plan import build_plan
 from edgeq.io.hf import open_checkpoint
 from edgeq.convert.recipe import find_recipe
@@ -34,12 +35,29 @@ from helpers.paths import FIXTURE as TINY_PROSE
 # tiny-prose: Llama, 4 layers, hidden 256, intermediate 768, 4 heads (head_dim 64), 2 KV heads, vocab 4096, tied.
 TP_LAYER_MODULES = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
                     "gate_proj": (768, 256), "up_proj": (768, 256), "down_proj": (256, 768)}
+# The default output stores the tied table packed (issue 16): level 0 is the head's own tensors, the residual level
+# model.embed_tokens g128 is U8 [4096, 128] + BF16 [2, 4096, 2]: 4096 * 256 / 2 + (256 / 128) * 4096 * 4 bytes.
+TP_RESIDUAL = 4096 * 256 // 2 + (256 // 128) * 4096 * 4  # 557056, instead of the bf16 table's 4096 * 256 * 2
+# Every tensor of the default w4a16-g128 output: 4329984 bytes at g128 everywhere, + 221184 for the llama recipe's
+# g32 head, q/k/v and down_proj scales/zeros, with the bf16 table (2097152) replaced by the residual level.
+TP_TENSOR_BYTES = 4329984 + 221184 - 4096 * 256 * 2 + TP_RESIDUAL  # 3011072
 
 
 @pytest.fixture(scope="module")
 def edgeq_ckpt(fixture_quantized) -> Path:
     """tiny-prose quantised w4a16-g128 (rtn) once per session (conftest); tests that modify it work on a copy."""
     return fixture_quantized
+
+
+@pytest.fixture(scope="module")
+def edgeq_bf16_ckpt(tmp_path_factory) -> Path:
+    """tiny-prose quantised w4a16-g128 (rtn) with its table kept bf16 (--embeddings bf16): what only a bf16 table
+    can show (the table stored twice beside a tied head)."""
+    from edgeq.convert.pipeline import convert
+
+    out = tmp_path_factory.mktemp("q-bf16") / "tiny-prose-w4a16-g128-bf16"
+    convert(TINY_PROSE, out, embeddings="bf16")
+    return out
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -72,7 +90,7 @@ def test_edgeq_checkpoint_report(edgeq_ckpt):
         "quantized_linears": 4 * sum(q(n, k, 32 if m in fine else 128) for m, (n, k) in TP_LAYER_MODULES.items()),
         "linears_unquantized": 0,
         "head": q(4096, 256, 32),
-        "embeddings": 4096 * 256 * 2,
+        "embeddings": TP_RESIDUAL,  # the table's own level only: its level 0 is the head, counted above
         "norms": (4 * 2 + 1) * 256 * 2,
         "other": 0,
     }
@@ -80,6 +98,10 @@ def test_edgeq_checkpoint_report(edgeq_ckpt):
     quantized = r.bytes_by_category["quantized_linears"] + r.bytes_by_category["head"]
     weights = 4 * sum(n * k for n, k in TP_LAYER_MODULES.values()) + 4096 * 256
     assert r.effective_bits == pytest.approx(8 * quantized / weights)
+    assert e.format_version == 2 and e.embeddings == {"model.embed_tokens": {
+        "storage": "packed", "source": "model.embed_tokens.weight", "bytes": TP_RESIDUAL, "bf16_bytes": 4096 * 256 * 2,
+        "levels": [{"module": "lm_head", "group_size": 32, "bytes": q(4096, 256, 32), "shared": True},
+                   {"module": "model.embed_tokens", "group_size": 128, "bytes": TP_RESIDUAL, "shared": False}]}}
 
 
 def test_memory_projection_by_hand(edgeq_ckpt):
@@ -90,11 +112,10 @@ def test_memory_projection_by_hand(edgeq_ckpt):
     assert m.kv_budget_tokens == (3 << 20) // 2048 == 1536
     assert (m.kv_tokens, m.kv_bytes) == (512, 512 * 2048)
     # every tensor is bf16 or packed: all used in place from the mapping, nothing copied
-    # 4329984 bytes at g128 everywhere, + 221184 for the llama recipe's g32 head, q/k/v and down_proj scales/zeros
-    assert (m.mapped_weights, m.anon_weights) == (4551168, 0) and m.mapped_weights == r.files["tensor_bytes"]
+    assert (m.mapped_weights, m.anon_weights) == (TP_TENSOR_BYTES, 0) and m.mapped_weights == r.files["tensor_bytes"]
     # scratch: the largest row block, the head's 4096 rows (fewer than ~4M / K = 16384) x K = 256, at 3 bytes
     assert (m.prefill_scratch_tensor, m.prefill_scratch) == ("lm_head", 4096 * 256 * 3)
-    assert m.anon_total == 512 * 2048 + 4096 * 256 * 3 and m.total == 4551168 + m.anon_total and m.problems == ()
+    assert m.anon_total == 512 * 2048 + 4096 * 256 * 3 and m.total == TP_TENSOR_BYTES + m.anon_total and m.problems == ()
     # defaults as the runtime's: min(model maximum, budget tokens)
     d = inspect_checkpoint(edgeq_ckpt).memory
     assert (d.max_model_len, d.kv_tokens, d.kv_cache_bytes) == (1024, 1024, 256 << 20)
@@ -169,14 +190,16 @@ def test_layout_mismatch_says_what_load_will_do(edgeq_ckpt, tmp_path):
     assert not r.edgeq.layout_matches and r.problems == ()
     assert r.edgeq.on_load.startswith("repack: 29 qweight tensors") and "--strict-layout" in r.edgeq.on_load
     assert any("differs from this machine" in w and "edgeq repack" in w for w in r.warnings)
+    # the linears' and the head's qweights are repacked; the packed table's residual level is read in its stored
+    # layout by the lookup (edgeq/runtime/embedding.py), so it stays mapped
     qweight = sum(n * k // 2 for n, k in TP_LAYER_MODULES.values()) * 4 + 4096 * 128
-    assert r.memory.repack and (r.memory.mapped_weights, r.memory.anon_weights) == (4551168 - qweight, qweight)
+    assert r.memory.repack and (r.memory.mapped_weights, r.memory.anon_weights) == (TP_TENSOR_BYTES - qweight, qweight)
     strict = inspect_checkpoint(ckpt, strict_layout=True)
     assert strict.edgeq.on_load == "refused (--strict-layout)"
     assert any("load refuses it under --strict-layout" in p for p in strict.problems)
 
 
-def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, tmp_path):
+def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, edgeq_bf16_ckpt, tmp_path):
     ckpt = _copy(edgeq_ckpt, tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["tie_word_embeddings"] = True
@@ -191,7 +214,15 @@ def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, tmp_path):
     assert "quantization_config.scheme = 'w4a16-g64' but the manifest says 'w4a16-g128'" in p
     assert "quantization_config.kernel = 'amx_w4a8' but the manifest says 'tinygemm_w4a16'" in p  # the file's spelling
     assert "model.norm.weight is BF16 [256] but the manifest says BF16 [255]" in p
-    assert "tied embeddings stored twice" in p
+    # the default packed table stores no bf16 table beside the head: nothing is stored twice
+    assert "stored twice" not in p
+    bf16 = _copy(edgeq_bf16_ckpt, tmp_path / "bf16")
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    p = "\n".join(inspect_checkpoint(bf16).problems)
+    assert "tie_word_embeddings is True" in p and "tied embeddings stored twice: config.json says " \
+        "tie_word_embeddings=true but lm_head is stored too" in p and "beside model.embed_tokens.weight (2.0 MiB)" in p
 
 
 def test_every_kernel_has_a_layout_with_the_whole_protocol():
@@ -231,9 +262,12 @@ def _poke(ckpt: Path, tensor: str, offset: int, data: bytes) -> None:
 def test_verify_clean(edgeq_ckpt):
     r = inspect_checkpoint(edgeq_ckpt, verify=True)
     assert r.problems == () and r.verify.shards == {"model.safetensors": "ok"}
-    assert r.verify.tensors_checked == 68 and r.verify.bytes_read >= 2 * r.files["tensor_bytes"]
-    # the head and one module of each distinct shape went through unpack -> pack with the stored layout
-    assert r.verify.roundtrip[0] == "lm_head" and len(r.verify.roundtrip) == 4
+    # 4 layers x 7 linears x (qweight, scales_and_zeros) + the head's 2 + 9 norms + the residual level's 2
+    assert r.verify.tensors_checked == 4 * 7 * 2 + 2 + 9 + 2 == 69 and r.verify.bytes_read >= 2 * r.files["tensor_bytes"]
+    # the head and one module of each distinct shape went through unpack -> pack with the stored layout, and the
+    # packed table's own level
+    assert r.verify.roundtrip[0] == "lm_head" and len(r.verify.roundtrip) == 5
+    assert r.verify.roundtrip[-1] == "model.embed_tokens"
 
 
 def test_verify_catches_a_flipped_byte(edgeq_ckpt, tmp_path, capsys):
@@ -321,10 +355,14 @@ def test_hf_tiny_prose_every_scheme():
     assert all(o.cannot_quantize == () for o in r.schemes)
     ckpt = open_checkpoint(TINY_PROSE)
     recipe = find_recipe(None, "llama")
-    for o in r.schemes:  # the quantizer's own plan, so the two cannot disagree
-        plan = build_plan(ckpt, Scheme.parse(o.scheme), "rtn", recipe)
+    for o in r.schemes:  # the quantizer's own plan (the table stored as the default says), so the two cannot disagree
+        scheme = Scheme.parse(o.scheme)
+        bf16_table = build_plan(ckpt, scheme, "rtn", recipe)
+        plan = pack_plan(bf16_table, recipe, resolve_storage(None, recipe, scheme), explicit=False)
         assert o.bytes_out == plan.bytes_out and o.ratio == pytest.approx(plan.bytes_in / plan.bytes_out)
         G = plan.scheme.group_size  # the recipe's group_sizes: head, q/k/v, down_proj at min(32, G)
+        # the default packs the tied table: its bf16 bytes become the residual level at G (level 0 is the head)
+        assert plan.bytes_out == bf16_table.bytes_out - 4096 * 256 * 2 + 4096 * 256 // 2 + (256 // G) * 4096 * 4
         sized = [(n * k, min(32, G) if m in ("q_proj", "k_proj", "v_proj", "down_proj") else G)
                  for m, (n, k) in TP_LAYER_MODULES.items()] * 4 + [(4096 * 256, min(32, G))]
         want = sum(w * (4 + 32 / g) for w, g in sized) / sum(w for w, _ in sized)
@@ -345,12 +383,18 @@ def test_hf_which_tensors_cannot_be_quantised_and_why(tmp_path):
     r = inspect_checkpoint(ck)
     cannot = {o.scheme: o.cannot_quantize for o in r.schemes}
     assert cannot["w4a16-g32"] == () and cannot["w4a16-g64"] == ()
-    assert len(cannot["w4a16-g128"]) == 8 and len(cannot["w4a16-g256"]) == 8  # 7 linears + the head
+    # 7 linears + the head + the default packed table's residual level (at the scheme's G)
+    assert len(cannot["w4a16-g128"]) == 9 and len(cannot["w4a16-g256"]) == 9
+    assert "model.embed_tokens.weight [512, 192] (--embeddings packed, level model.embed_tokens.residual g128): " \
+           "K=192 is not a multiple of the group size 128; use a group size of 32, 64; or --embeddings bf16" \
+           in cannot["w4a16-g128"]
     assert "model.layers.0.mlp.down_proj.weight [192, 320] BF16: K=320 is not a multiple of the group size 128; " \
            "use a group size of 32, 64" in cannot["w4a16-g128"]
     assert "lm_head.weight [512, 192] BF16: K=192 is not a multiple of the group size 256; use a group size of 32, 64" \
            in cannot["w4a16-g256"]
-    plan = build_plan(open_checkpoint(ck), Scheme.parse("w4a16-g128"), "rtn", find_recipe(None, "llama"))
+    recipe, g128 = find_recipe(None, "llama"), Scheme.parse("w4a16-g128")
+    plan = pack_plan(build_plan(open_checkpoint(ck), g128, "rtn", recipe), recipe, resolve_storage(None, recipe, g128),
+                     explicit=False)  # the quantizer's own plan, the table stored as the default says
     assert cannot["w4a16-g128"] == plan.problems
     assert r.problems == ()  # g32 and g64 work: not a problem of the checkpoint
     # N = 40 rows cannot be packed at any group size: then it is a problem
@@ -730,7 +774,7 @@ def _io() -> dict[str, int]:
 
 def test_default_mode_reads_no_tensor_data(edgeq_ckpt):
     """rchar counts every byte this process asks read() for: the headers, config and manifest only, while each
-    shard holds over 4 MB of tensor data (benchmarks/bench_inspect.py does the same on a 10 GB checkpoint)."""
+    shard holds over 3 MB of tensor data (benchmarks/bench_inspect.py does the same on a 10 GB checkpoint)."""
     for target in (edgeq_ckpt, TINY_PROSE):
         inspect_checkpoint(target)  # imports, the layout probe, recipes: everything but the target's own bytes
         meta = sum((target / f).stat().st_size for f in ("config.json", "edgeq_manifest.json") if (target / f).exists())
@@ -739,7 +783,7 @@ def test_default_mode_reads_no_tensor_data(edgeq_ckpt):
         before = _io()
         inspect_checkpoint(target)
         got = {k: _io()[k] - before[k] for k in ("rchar", "syscr")}
-        assert data > 4_000_000
+        assert data > 3_000_000  # the packed default's 3011072 bytes (TP_TENSOR_BYTES); tiny-prose's 8.4 MB
         assert got["rchar"] < 3 * (meta + header) + 65536 < data / 10, got
 
 
