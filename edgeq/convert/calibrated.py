@@ -87,7 +87,11 @@ def gptq_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQOption
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise EdgeqError(f"{ckpt.root / 'config.json'}: model_type {model_type!r} is not supported by GPTQ calibration "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --method rtn")
-    plan = build_plan(ckpt, scheme, METHOD, recipe)
+    return calibrated_plan(build_plan(ckpt, scheme, METHOD, recipe), scheme, opts)
+
+
+def calibrated_plan(plan: Plan, scheme: Scheme, opts: GPTQOptions) -> Plan:
+    """``plan`` carrying the GPTQ options; with act-order every quantised output also carries M.perm (its bytes)."""
     if opts.act_order:
         entries = tuple(
             replace(e, perm=True, bytes_out=packed_bytes(e.shape, scheme, e.group(scheme), perm=True))

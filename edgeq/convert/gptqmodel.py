@@ -46,10 +46,10 @@ from typing import Iterator
 
 import torch
 
-from edgeq.convert.calibrated import GPTQOptions, calibration
+from edgeq.convert.calibrated import GPTQOptions, calibrated_plan, calibration
 from edgeq.convert.ingest_config import read_gptq_config
 from edgeq.convert.ingest_gptq import build_gptq_plan
-from edgeq.convert.plan import Plan, PlanEntry, build_plan, packed_bytes
+from edgeq.convert.plan import Plan, PlanEntry, build_plan
 from edgeq.convert.recipe import Recipe
 from edgeq.convert.selfcal import describe as describe_calibration
 from edgeq.errors import EdgeqError
@@ -85,15 +85,7 @@ def gptqmodel_plan(ckpt: Checkpoint, scheme: Scheme, recipe: Recipe, opts: GPTQO
     carries M.perm. The GPTQ checkpoint GPTQModel writes replaces it at conversion time (:func:`quantized`)."""
     require()
     opts.check()
-    plan = build_plan(ckpt, scheme, METHOD, recipe)
-    if opts.act_order:
-        entries = tuple(
-            replace(e, perm=True, bytes_out=packed_bytes(e.shape, scheme, e.group(scheme), perm=True))
-            if e.quantized and e.bytes_out else e
-            for e in plan.entries
-        )
-        plan = replace(plan, entries=entries)
-    return replace(plan, options=opts)
+    return calibrated_plan(build_plan(ckpt, scheme, METHOD, recipe), scheme, opts)
 
 
 @contextlib.contextmanager
