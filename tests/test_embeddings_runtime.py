@@ -17,12 +17,13 @@ from edgeq.convert.pipeline import convert
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.layouts import tinygemm as tg
 from edgeq.memory import KVGeometry, Tensor, project
-from edgeq.runtime import embedding, generate_ids, load, repack
+from edgeq.runtime import embedding, load, repack
 from edgeq.runtime.embedding import EmbeddingLevel, PackedEmbedding
 from edgeq.scheme import Scheme
 from helpers.checkpoints import avx2_like_layout, quantize
 from helpers.cli import run_cli
 from helpers.embeddings import TABLE, pack_by_hand, reference_table, with_table
+from helpers.mapping import greedy_both_loops, mapped_file
 from helpers.models import save_tiny
 from helpers.paths import FIXTURE
 
@@ -206,29 +207,12 @@ def test_loaded_packed_equals_the_materialised_table(ckpts, name):
     header = sum(t.numel() * t.element_size() for t in load_file(str(p / "model.safetensors")).values())
     assert packed.settings.mapped_bytes == header and packed.settings.copied_bytes == 0  # every tensor mapped
     shard = str((p / "model.safetensors").resolve())
-    assert all(_mapped_file(t.data_ptr()) == shard for lv in emb.levels for t in (lv.qweight, lv.scales_and_zeros))
-
-
-def _mapped_file(ptr: int) -> str | None:
-    """The file whose mapping holds address ``ptr`` in this process (None: anonymous memory)."""
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= ptr < hi:
-            return fields[5] if len(fields) > 5 else None
-    return None
+    assert all(mapped_file(t.data_ptr()) == shard for lv in emb.levels for t in (lv.qweight, lv.scales_and_zeros))
 
 
 def test_lean_decode_equals_transformers_forward_greedy(ckpts):
     _, p, _ = ckpts["tied"]
-    lean = load(p, prefill_threshold=4, decode_ops="torch")
-    hf = load(p, prefill_threshold=4, decode_loop="transformers")
-    prompt = lean.tokenizer("Once upon a time")["input_ids"]
-    runs = []
-    for lm in (lean, hf):
-        lm.reset_counts()
-        ids, *_ = generate_ids(lm, prompt, 32)
-        runs.append((ids, dict(lm.path_counts)))
+    lean, runs = greedy_both_loops(p)
     assert runs[0] == runs[1] and len(runs[0][0]) == 32
     assert lean.loop_counts == {"transformers": 1, "lean": 31}
 

@@ -27,6 +27,7 @@ from edgeq.runtime.qlinear import Int4Linear, make_runtime, scratch_for
 from helpers.checkpoints import avx2_like_layout, dir_digest
 from helpers.cli import run_cli
 from helpers.embeddings import TABLE, dequantized_level, reference_table
+from helpers.mapping import greedy_both_loops
 from helpers.models import save_tiny
 from helpers.paths import FIXTURE
 
@@ -259,19 +260,12 @@ def test_loaded_head_logits(ckpts):
 
 
 def test_lean_decode_equals_transformers_forward_greedy(ckpts):
-    lean = load(ckpts[2], prefill_threshold=4, decode_ops="torch")
-    hf = load(ckpts[2], prefill_threshold=4, decode_loop="transformers")
-    prompt = lean.tokenizer("Once upon a time")["input_ids"]
-    runs = []
-    for lm in (lean, hf):
-        lm.reset_counts()
-        ids, *_ = generate_ids(lm, prompt, 32)
-        runs.append((ids, dict(lm.path_counts)))
+    lean, runs = greedy_both_loops(ckpts[2])
     assert runs[0] == runs[1] and len(runs[0][0]) == 32
     assert lean.loop_counts == {"transformers": 1, "lean": 31} and lean.settings.decode_loop == "lean"
     one = load(ckpts[1], prefill_threshold=4, decode_ops="torch")
     one.reset_counts()
-    ids1, *_ = generate_ids(one, prompt, 32)
+    ids1, *_ = generate_ids(one, lean.tokenizer("Once upon a time")["input_ids"], 32)
     path = lean.settings.decode_path  # every token's head (M = 1: the prompt's last row, then each step) runs twice
     assert len(ids1) == 32 and runs[0][1][path] == one.path_counts[path] + 32
     assert runs[0][1]["dequant_prefill"] == one.path_counts["dequant_prefill"]

@@ -18,6 +18,7 @@ from edgeq.errors import EdgeqError
 from edgeq.integrations import EdgeqIntegrationWarning, _state, register_transformers
 from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.scheme import Scheme
+from helpers.mapping import mapped_file
 from helpers.models import save_tiny
 from helpers.paths import REPO
 
@@ -42,16 +43,6 @@ def _from_pretrained(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path))
-
-
-def _mapped_file(ptr: int) -> str | None:
-    """The file whose mapping holds address ``ptr`` in this process (None: anonymous memory)."""
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= ptr < hi:
-            return fields[5] if len(fields) > 5 else None
-    return None
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -88,7 +79,7 @@ def test_generate_matches_edgeq_runtime(checkpoints, scheme):
 
 
 @pytest.mark.parametrize("scheme", list(KERNEL_MODULE))
-def test_quantised_modules_view_the_mapped_file(checkpoints, scheme):
+def test_quantised_modules_view_themapped_file(checkpoints, scheme):
     path = checkpoints[scheme]
     model = _from_pretrained(path)
     shard = str((path / "model.safetensors").resolve())
@@ -98,16 +89,16 @@ def test_quantised_modules_view_the_mapped_file(checkpoints, scheme):
         assert not hasattr(m, "weight"), m.name  # no bf16 weight exists for a quantised module
         packed = [m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16") else [m.qweight, m.scales, m.zeros]
         for t in packed:
-            assert _mapped_file(t.data_ptr()) == shard, m.name
+            assert mapped_file(t.data_ptr()) == shard, m.name
     assert model.edgeq.copied_bytes == 0 and model.edgeq.layout == "native"
     for name, p in model.named_parameters():  # the rest, loaded by transformers: mapped too (safetensors' mmap)
-        assert _mapped_file(p.data_ptr()) == shard, name
+        assert mapped_file(p.data_ptr()) == shard, name
     # the default stores the tied table packed for w4a16 (issue 16; w4a8 has no packed lookup: bf16): its own
     # residual level is mapped from the shard too, its level 0 is the head's tensors (counted with the head)
     emb = model.get_input_embeddings()
     own = [t for lv in getattr(emb, "levels", ()) if not lv.shared for t in (lv.qweight, lv.scales_and_zeros)]
     assert isinstance(emb, PackedEmbedding) == scheme.startswith("w4a16") and len(own) == (2 if scheme.startswith("w4a16") else 0)
-    assert all(_mapped_file(t.data_ptr()) == shard for t in own)
+    assert all(mapped_file(t.data_ptr()) == shard for t in own)
     assert model.edgeq.mapped_bytes == sum(t.numel() * t.element_size() for m in quantised for t in
                                            ([m.qweight, m.scales_and_zeros] if scheme.startswith("w4a16")
                                             else [m.qweight, m.scales, m.zeros])) + \
@@ -230,7 +221,7 @@ def test_biases_and_modules_kept_in_bf16(tmp_path):
     assert kept == [f"model.layers.{i}.mlp.down_proj" for i in range(len(kept))] and kept
     for name in kept:
         m = model.get_submodule(name)
-        assert type(m) is torch.nn.Linear and _mapped_file(m.weight.data_ptr()) == str((out / "model.safetensors").resolve())
+        assert type(m) is torch.nn.Linear and mapped_file(m.weight.data_ptr()) == str((out / "model.safetensors").resolve())
     q = model.model.layers[0].self_attn.q_proj
     assert type(q).__name__ == "Int4Linear" and q.bias is not None
     ids = torch.arange(3, 40)[None]
