@@ -406,3 +406,37 @@ def test_llama_cpp_arm_runs_and_reads_settings_back(tmp_path):
     led = r.data["ledger"]
     assert sum(row["bytes"] for row in led["rows"]) == led["total"]
     assert led["checkpoint"]["mapped_bytes"] >= e["model_bytes"]  # every weight stays mapped without repack
+
+
+SMAPS = """7f0000000000-7f0000600000 r--p 00000000 fd:00 42    /ckpt/model.safetensors
+Size:               6144 kB
+Rss:                6144 kB
+FilePmdMapped:      4096 kB
+VmFlags: rd mr mw me ac hg
+7f0000600000-7f0000601000 rw-p 00000000 00:00 0
+Rss:                   4 kB
+FilePmdMapped:         0 kB
+"""
+
+
+def test_pmd_mapped_reads_each_vmas_field():
+    assert measure.parse_pmd_mapped(SMAPS) == {0x7F0000000000: 4 * MiB, 0x7F0000600000: 0}
+
+
+def test_a_checkpoint_edgeq_wrote_is_mapped_with_huge_pages_where_the_filesystem_allows(tmp_path):
+    """edgeq's writer fills the page cache in 2 MiB-aligned 4 MiB writes and the runtime advises MADV_HUGEPAGE:
+    where the filesystem keeps large folios (ext4 on Linux >= 6.16, tmpfs with huge=...), the mapped tensor is mostly
+    PMD-mapped; the ledger reports it. Skipped where the kernel maps none (nothing to measure there)."""
+    from edgeq.io import mapped, safetensors as st
+
+    t = torch.arange(16 * MiB // 2, dtype=torch.int16).view(torch.bfloat16).reshape(4096, -1)
+    w = st.ShardedWriter(tmp_path, [st.OutSpec("w", t.dtype, tuple(t.shape))])
+    w.write("w", t)
+    w.close()
+    files = mapped.MappedFiles(tmp_path)
+    view = files.get("w")
+    assert torch.equal(view.view(torch.int16), t.view(torch.int16))  # touches every page
+    res = measure.mapped_residency(tmp_path)
+    if res.pmd_mapped_bytes == 0:
+        pytest.skip("this kernel/filesystem maps the file with 4 KiB pages only")
+    assert res.pmd_mapped_bytes % (2 * MiB) == 0 and 8 * MiB <= res.pmd_mapped_bytes <= res.rss_bytes

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from edgeq.io import safetensors as io
 from edgeq.errors import EdgeqError
 from edgeq.io import mapped as weights
+from helpers.mapping import vm_flags
 
 CODES = sorted(io.DTYPES)
 SHAPES = {"matrix": (3, 5), "scalar": (), "empty": (0, 4), "vector": (7,)}
@@ -195,3 +196,57 @@ def test_fuzzed_headers_agree_with_safetensors(entries, tail, meta):
                     mapped.get(name)
             else:
                 assert _same(mapped.get(name), want), name
+
+
+class _Recorder:
+    """A file object that records the file offset at which each write ends."""
+
+    def __init__(self, f, ends: list[int]):
+        self.f, self.ends = f, ends
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.ends.append(self.f.tell())
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_the_writer_ends_every_write_on_a_chunk_boundary(tmp_path, monkeypatch):
+    """Writes end on multiples of WRITE_CHUNK (so the page cache can hold the file in 2 MiB folios; edgeq/io/
+    safetensors.py says why), except a shard's last write and a flush for read_back; the bytes are what safetensors
+    reads, and the digest is the file's. 40-byte chunks here so that small tensors cross many boundaries."""
+    monkeypatch.setattr(io, "WRITE_CHUNK", 40)
+    ends: list[int] = []
+    real_open = open
+    monkeypatch.setattr(io, "open", lambda p, mode="r", *a, **k: _Recorder(real_open(p, mode, *a, **k), ends)
+                        if "w" in mode else real_open(p, mode, *a, **k), raising=False)
+    tensors = {"a": _random("U8", (3, 50), 1), "b": _random("BF16", (7,), 2), "c": _random("F32", (33, 5), 3)}
+    writer = io.ShardedWriter(tmp_path, [io.OutSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    writer.write("a", tensors["a"][:1])
+    writer.write("a", tensors["a"][1:])
+    assert writer.read_back("a", 10, 60) == _bits(tensors["a"])[10:60]  # flushes what was pending
+    flushed_at = ends[-1]
+    assert flushed_at % 40  # the header and `a` end mid-chunk: this write is the flush
+    writer.write("b", tensors["b"])
+    for block in tensors["c"].split(4):
+        writer.write("c", block)
+    digests = writer.close()
+    size = (tmp_path / "model.safetensors").stat().st_size
+    unaligned = [e for e in ends if e % 40]
+    assert ends[-1] == size and unaligned == [flushed_at] + ([size] if size % 40 else [])
+    assert len(ends) > 10 and all(e > d for d, e in zip(ends, ends[1:]))
+    assert digests == {"model.safetensors": io.sha256_file(tmp_path / "model.safetensors")}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert all(_same(f.get_tensor(n), t) for n, t in tensors.items())
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no transparent huge pages")
+def test_the_runtime_advises_huge_pages_on_every_mapping(tmp_path):
+    """Each shard mapping carries MADV_HUGEPAGE (VmFlags `hg` in smaps): 2 MiB page-cache folios get PMD-mapped."""
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    files = weights.MappedFiles(tmp_path)
+    t = files.get("w")
+    flags = vm_flags(t.data_ptr())
+    assert flags is not None and "hg" in flags, flags

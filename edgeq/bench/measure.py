@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from edgeq.errors import EdgeqError
+from edgeq.io.mapped import address_of
 
 PAGE = mmap.PAGESIZE
 # psutil reports neither: its memory_info().shared is RssFile + RssShmem together, and it has no peak RSS (getrusage's
@@ -186,13 +187,36 @@ class FileResidency:
     resident_bytes: int  # mincore: in RAM (page cache or private copies)
     rss_bytes: int  # smaps Rss: in this process's page tables
     anonymous_bytes: int  # smaps Anonymous: private copies of mapped pages (writes to a MAP_PRIVATE view)
+    pmd_mapped_bytes: int = 0  # smaps FilePmdMapped: of rss_bytes, mapped with 2 MiB entries (huge pages)
+
+
+def pmd_mapped(pid: int | str = "self") -> dict[int, int]:
+    """{VMA start address: FilePmdMapped bytes} from /proc/<pid>/smaps (psutil does not report this field): how much of
+    each file mapping the kernel maps with one 2 MiB page-table entry per 512 pages. {} where smaps is unreadable."""
+    try:
+        return parse_pmd_mapped(Path(f"/proc/{pid}/smaps").read_text())
+    except OSError:
+        return {}
+
+
+def parse_pmd_mapped(text: str) -> dict[int, int]:
+    """The smaps parsing of :func:`pmd_mapped`: a VMA's header line starts with ``start-end``, its fields follow."""
+    out, start = {}, None
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):
+            start = int(head.split("-")[0], 16)
+        elif head == "FilePmdMapped:" and start is not None:
+            out[start] = int(rest.split()[0]) * 1024
+    return out
 
 
 def mapped_residency(root: str | Path, maps: list[Mapping] | None = None) -> FileResidency:
     """Residency of every mapping of a file at or under ``root`` (a checkpoint directory or one file)."""
     root_s = os.path.realpath(root)
     prefix = root_s.rstrip("/") + "/"
-    files, mapped, resident, rss, anon = set(), 0, 0, 0, 0
+    files, mapped, resident, rss, anon, pmd = set(), 0, 0, 0, 0, 0
+    huge = pmd_mapped() if maps is None else {}
     for m in maps if maps is not None else mappings():
         path = m.path.removesuffix(" (deleted)")
         if path == root_s or path.startswith(prefix):
@@ -201,7 +225,8 @@ def mapped_residency(root: str | Path, maps: list[Mapping] | None = None) -> Fil
             resident += resident_bytes(m.start, m.size)
             rss += m.rss
             anon += m.anonymous
-    return FileResidency(tuple(sorted(files)), mapped, resident, rss, anon)
+            pmd += huge.get(m.start, 0)
+    return FileResidency(tuple(sorted(files)), mapped, resident, rss, anon, pmd)
 
 
 def file_cached_bytes(path: str | Path) -> int:
@@ -211,14 +236,6 @@ def file_cached_bytes(path: str | Path) -> int:
         return 0
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # writable view: ctypes needs one for the address; nothing is written
         return resident_bytes(address_of(m), size)
-
-
-def address_of(m: mmap.mmap) -> int:
-    """Start address of an mmap object. The buffer export is released at once, so the mmap can still be closed."""
-    probe = ctypes.c_char.from_buffer(m)
-    address = ctypes.addressof(probe)
-    del probe
-    return address
 
 
 def tensor_resident(t) -> tuple[int, int]:

@@ -126,7 +126,8 @@ def _render_memory(s: ArmSummary, out) -> None:
     ck = led["checkpoint"]
     out.print(f"checkpoint {s.label}: mapped {_mib(ck['mapped_bytes'])}; resident in RAM (mincore) "
               f"{_mib(ck['resident_bytes'])}; faulted into this process (smaps Rss) {_mib(ck['rss_bytes'])}; "
-              f"copy-on-write {_mib(ck['anonymous_bytes'])}. KV cache allocated {_mib(led['kv_allocated'])}, touched "
+              f"copy-on-write {_mib(ck['anonymous_bytes'])}; huge-page mapped (smaps FilePmdMapped) "
+              f"{_mib(ck.get('pmd_mapped_bytes', 0))}. KV cache allocated {_mib(led['kv_allocated'])}, touched "
               + (_mib(led['kv_touched']) if led['kv_touched'] is not None else "n/a")
               + f"; prefill scratch allocated {_mib(led['scratch_allocated'])}, touched {_mib(led['scratch_touched'])}",
               highlight=False)

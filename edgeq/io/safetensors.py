@@ -209,11 +209,20 @@ def _header_bytes(specs: list[OutSpec], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+# Bytes go to the file in whole, aligned chunks of this size (the last one of a shard shorter). Why: the page cache
+# keeps a file in folios sized by the writes that filled it, and only 2 MiB folios can be mapped with one PMD entry.
+# Measured on ext4, Linux 6.18, Zen 4 (2026-12-01): a 1.2 GB checkpoint written in 4 MiB chunks was 100% PMD-mapped
+# when loaded, written in 1 MiB chunks (or by cp) 0%; reading the packed weights of one decode step through the
+# PMD-mapped pages ran 1.19x the rate of 4 KiB pages (docs/runtime.md, "Huge pages"). Costs one 4 MiB buffer.
+WRITE_CHUNK = 4 << 20
+
+
 class ShardedWriter:
     """Stream tensors into ``model[-0000i-of-0000n].safetensors`` in declared order; hash while writing.
 
     ``write(name, part)`` appends bytes of the current tensor (a tensor may arrive in row blocks); calls must follow
-    the declared order and deliver exactly the declared byte count, which ``close()`` checks.
+    the declared order and deliver exactly the declared byte count, which ``close()`` checks. The file receives them
+    in :data:`WRITE_CHUNK`-aligned writes of that size (small tensors are gathered first; why: above).
     """
 
     def __init__(self, out_dir: Path, specs: list[OutSpec], max_shard_bytes: int = 2 << 30, metadata: dict | None = None):
@@ -236,26 +245,58 @@ class ShardedWriter:
         self.file = None
         self.hash = None
         self.digests: dict[str, str] = {}
+        self._pending = bytearray()  # bytes not yet written, short of the next WRITE_CHUNK boundary
+        self._at = 0  # bytes of the open shard written to its file
 
     def _open(self, i: int) -> None:
         self._finish_shard()
         self.shard = i
         self.file = open(self.out_dir / self.names[i], "wb")
+        self._at = 0
         self.hash = hashlib.sha256()
         self._emit(_header_bytes(self.shards[i], self.metadata))
 
     def _emit(self, data: bytes | memoryview) -> None:
+        """Hash ``data`` and pass it on so that every write ends on a multiple of WRITE_CHUNK (the shard's end apart):
+        bytes short of the next boundary wait in ``_pending``; large tensors go straight from the caller's buffer."""
+        self.hash.update(data)
+        view = memoryview(data).cast("B")
+        while len(view):
+            room = WRITE_CHUNK - (self._at + len(self._pending)) % WRITE_CHUNK
+            if len(view) < room:
+                self._pending += view
+                return
+            if self._pending:
+                self._pending += view[:room]
+                view = view[room:]
+                self._write(self._pending)
+                self._pending = bytearray()
+            else:
+                n = room + (len(view) - room) // WRITE_CHUNK * WRITE_CHUNK
+                self._write(view[:n])
+                view = view[n:]
+
+    def _write(self, data) -> None:
         try:
             self.file.write(data)
         except OSError as e:
             raise EdgeqError(f"{self.out_dir / self.names[self.shard]}: write failed ({e.strerror}); free disk space and retry") from e
-        self.hash.update(data)
+        self._at += len(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._write(self._pending)
+            self._pending = bytearray()
+        self.file.flush()
 
     def _finish_shard(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:
+                self._flush()
+            finally:
+                self.file.close()
+                self.file = None
             self.digests[self.names[self.shard]] = self.hash.hexdigest()
-            self.file = None
 
     def write(self, name: str, part: torch.Tensor) -> None:
         if self.pos >= len(self.order) or self.order[self.pos][1].name != name:
@@ -285,7 +326,7 @@ class ShardedWriter:
         specs = self.shards[shard]
         before = sum(s.nbytes for s in specs[: next(j for j, s in enumerate(specs) if s.name == name)])
         if shard == self.shard and self.file is not None:
-            self.file.flush()
+            self._flush()  # the bytes still pending too; the next write ends on the next boundary again
         with open(self.out_dir / self.names[shard], "rb") as f:
             f.seek(len(_header_bytes(specs, self.metadata)) + before + start)
             data = f.read(stop - start)
@@ -312,6 +353,7 @@ class ShardedWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
+        self._pending = bytearray()
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

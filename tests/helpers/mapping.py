@@ -17,6 +17,19 @@ def mapped_file(ptr: int) -> str | None:
     return None
 
 
+def vm_flags(ptr: int) -> list[str] | None:
+    """smaps VmFlags of the mapping that holds address ``ptr`` (``hg``: MADV_HUGEPAGE, ``nh``: MADV_NOHUGEPAGE)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
 def greedy_both_loops(path: str | Path, tokens: int = 32):
     """(lean model, [(ids, path counts) of the lean loop, the same of the transformers loop]) for ``tokens`` greedy
     tokens after "Once upon a time" (prefill threshold 4, torch decode ops)."""
