@@ -87,3 +87,38 @@ def test_bad_arguments_are_errors():
     with pytest.raises(EdgeqError, match="native rope_to_cache: pos 8 outside the cache of 8 positions"):
         native.rope_to_cache(t, t, t, torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16),
                              kv, kv.clone(), 8, torch.empty(2, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_finite_hand_worked(dtype):
+    """The first largest value's index (torch.argmax's tie rule), -1 when anything is NaN or infinite."""
+    cases = [([1.0, 3.0, 3.0, 0.0], 1), ([1.0, 3.0, 3.0, float("-inf")], -1), ([float("nan"), 1.0], -1),
+             ([2.0, float("inf")], -1), ([-0.0, 0.0, -1.0], 0), ([-5.0], 0), ([-3e38, -1e38, -2e38], 1)]
+    for values, want in cases:
+        assert native.argmax_finite(torch.tensor(values, dtype=dtype)) == want, values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_finite_equals_torch_on_a_vocabulary(dtype):
+    """151,936 logits (Qwen2.5's vocabulary) with planted ties, and the same through generation.greedy."""
+    from edgeq.runtime.generation import greedy
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(5):
+        x = (torch.randn(151936, generator=g) * 4).to(dtype)
+        if trial % 2:
+            top = x.max()
+            x[[9000, 150000, 40]] = top  # ties: the lowest index wins
+        want = int(torch.argmax(x))
+        assert native.argmax_finite(x) == want == greedy(x) == greedy(x[None, None])
+    x[77] = float("nan")
+    assert native.argmax_finite(x) == -1 == greedy(x)
+
+
+def test_argmax_finite_refuses_what_it_cannot_read():
+    with pytest.raises(EdgeqError, match="logits: expected a non-empty contiguous bf16 or fp32"):
+        native.argmax_finite(torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(EdgeqError, match="non-empty"):
+        native.argmax_finite(torch.zeros(0, dtype=torch.float32))
+    with pytest.raises(EdgeqError, match="contiguous"):
+        native.argmax_finite(torch.zeros(4, 2)[:, 0])

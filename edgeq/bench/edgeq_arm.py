@@ -17,6 +17,18 @@ from edgeq.errors import EdgeqError
 from edgeq.keys import CONFIG
 
 
+def _pick(logits) -> int:
+    """The greedy id as edgeq's generation picks it (one native pass that also checks finiteness); damaged weights
+    end the pass with an error instead of timing garbage."""
+    from edgeq.errors import EdgeqError
+    from edgeq.runtime.generation import greedy
+
+    token = greedy(logits)
+    if token < 0:
+        raise EdgeqError("the logits are not finite (NaN/Inf): the checkpoint is damaged; run edgeq inspect --verify")
+    return token
+
+
 def _generate(lm, ids: list[int], gen_len: int) -> dict:
     """One request through the runtime's forward: prefill, then gen_len single-token steps; timings and paths."""
     import torch
@@ -31,7 +43,7 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
     t0 = time.perf_counter()
     logits = lm.forward(x, logits_to_keep=1)
     t1 = time.perf_counter()
-    token = int(torch.argmax(logits[0, -1].float()))
+    token = _pick(logits[0, -1])
     t2 = time.perf_counter()
     prefill_paths = dict(lm.path_counts)
     lm.reset_counts()
@@ -40,7 +52,7 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
     t3 = time.perf_counter()
     for _ in range(gen_len):
         logits = lm.forward(torch.tensor([[token]]), logits_to_keep=1)
-        token = int(torch.argmax(logits[0, -1].float()))
+        token = _pick(logits[0, -1])
     t4 = time.perf_counter()
     c2 = cpu_clock()
     decode_paths = dict(lm.path_counts)

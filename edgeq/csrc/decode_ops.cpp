@@ -13,6 +13,10 @@
 //     rot_q = r(q); keys[0, :, pos] = r(k); values[0, :, pos] = v.
 //     Worked example, D = 4, t = [a, b, c, e], nsin = [-s0, -s1, s0, s1]: swap_halves(t) = [c, e, a, b], so
 //     r(t)[0] = bf16(bf16(a cos0) + bf16(c * -s0)).
+//   torch.ops.edgeq.argmax_finite(logits bf16 or fp32, contiguous) -> int
+//     the index of the first largest value (torch.argmax's choice), or -1 when any value is NaN or +-Inf: the
+//     decode loop's greedy pick and its finiteness check in two passes over the row (torch: isfinite().all() and
+//     argmax, ~0.8 ms on 151,936 bf16 logits, 2 threads, Zen 4). Example: [1, 3, 3, -inf] -> -1; [1, 3, 3, 0] -> 1.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -101,9 +105,42 @@ void rope_to_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
 }
 
+template <typename T, typename ToFloat, typename Bad>
+int64_t argmax_finite_impl(const T* v, int64_t n, ToFloat to_float, Bad bad) {
+  float m = -INFINITY;
+  int nonfinite = 0;
+#pragma omp simd reduction(max : m) reduction(| : nonfinite)
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = to_float(v[i]);
+    m = f > m ? f : m;
+    nonfinite |= bad(v[i]);
+  }
+  if (nonfinite) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (to_float(v[i]) == m) return i;
+  return -1;  // n == 0
+}
+
+int64_t argmax_finite(const at::Tensor& logits) {
+  TORCH_CHECK(logits.is_contiguous() && logits.numel() > 0 &&
+                  (logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat),
+              "logits: expected a non-empty contiguous bf16 or fp32 tensor, got ", logits.scalar_type(), " ",
+              logits.sizes());
+  const int64_t n = logits.numel();
+  if (logits.scalar_type() == at::kBFloat16)
+    return argmax_finite_impl(cp(logits), n, [](uint16_t u) { return bf16_to_f32(u); },
+                              [](uint16_t u) { return static_cast<int>((u & 0x7F80u) == 0x7F80u); });
+  return argmax_finite_impl(logits.data_ptr<float>(), n, [](float f) { return f; }, [](float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    return static_cast<int>((u & 0x7F800000u) == 0x7F800000u);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
+  m.def("argmax_finite(Tensor logits) -> int");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope_to_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor nsin, Tensor(a!) keys, Tensor(b!) values, "
         "int pos, Tensor(c!) rot_q) -> ()");
@@ -112,4 +149,5 @@ TORCH_LIBRARY_FRAGMENT(edgeq, m) {
 TORCH_LIBRARY_IMPL(edgeq, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rope_to_cache", rope_to_cache);
+  m.impl("argmax_finite", argmax_finite);
 }

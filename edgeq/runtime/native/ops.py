@@ -41,10 +41,18 @@ def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _small_op("rope_to_cache", q, k, v, cos, nsin, keys, values, pos, rot_q)
 
 
+def argmax_finite(logits: torch.Tensor) -> int:
+    """The index of the first largest of ``logits`` (contiguous bf16 or fp32, any shape, read flat), or -1 when any
+    value is NaN or infinite: ``torch.argmax`` (same tie rule) and ``isfinite().all()`` in one native call
+    (edgeq/csrc/decode_ops.cpp). Raises :class:`EdgeqError` when the library is unavailable or the tensor is not
+    one it reads."""
+    return _small_op("argmax_finite", logits)
+
+
 _SMALL_OPS: dict = {}
 
 
-def _small_op(name: str, *args) -> None:
+def _small_op(name: str, *args):
     """Call ``torch.ops.edgeq.<name>`` (looked up once) when the library is available here (checked every call, as
     ``int4_mm`` does), with its argument errors as :class:`EdgeqError`."""
     st = w4a16.state()
@@ -52,6 +60,6 @@ def _small_op(name: str, *args) -> None:
         raise EdgeqError(f"native {name} is not available: {st.reason}")
     op = _SMALL_OPS.get(name) or _SMALL_OPS.setdefault(name, getattr(torch.ops.edgeq, name).default)
     try:
-        op(*args)
+        return op(*args)
     except RuntimeError as e:
         raise EdgeqError(f"native {name}: {str(e).splitlines()[0]}") from e
