@@ -146,3 +146,24 @@ def test_calib_self_end_to_end_beats_rtn(tmp_path, capsys, fixture_quantized):
     kld_self = F.compare(ref, load(out, kv_cache_bytes=16 << 20)).kld_mean
     kld_rtn = F.compare(ref, load(fixture_quantized, kv_cache_bytes=16 << 20)).kld_mean
     assert kld_self < KLD_BOUND < kld_rtn, (kld_self, kld_rtn)
+
+
+def test_calib_seed_is_for_calib_self_only(tmp_path, capsys):
+    for extra, message in ((["--method", "gptq", "--calib-seed", "3"], "a calibration text has no seed"),
+                           (["--method", "gptq", "--calib", "self", "--calib-seed", "-1"], "must be in [0, 2^63)")):
+        code, _, err = run_cli(["quantize", FIXTURE, "-o", tmp_path / "o", *extra], capsys)
+        assert code == 2 and err.count("\n") == 1 and "--calib-seed" in err and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_calib_seed_picks_other_windows_and_is_recorded(tmp_path, capsys):
+    """--calib-seed reaches the sampler: the manifest records it, and the sampled ids differ from seed 0's."""
+    cals = {}
+    for seed in (0, 5):
+        out = tmp_path / f"s{seed}"
+        code, _, err = run_cli(["quantize", FIXTURE, "-o", out, "--method", "gptq", "--calib", "self", "--calib-seed",
+                                str(seed), "--nsamples", "2", "--seqlen", "16", "-q"], capsys)
+        assert code == 0, err
+        cals[seed] = read_manifest(out).extra["gptq"]["calibration"]
+    assert (cals[0]["seed"], cals[5]["seed"]) == (0, 5)
+    assert cals[0]["ids_sha256"] != cals[5]["ids_sha256"] and cals[0]["tokens"] == cals[5]["tokens"] == 32

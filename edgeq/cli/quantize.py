@@ -10,6 +10,7 @@ import typer
 
 from edgeq.cli.options import check_method, mib, size_option
 from edgeq.console import emit, err, out
+from edgeq.errors import EdgeqError
 from edgeq.io.hub import REVISION_HELP, resolve_model
 from edgeq.runtime.sizes import parse_bytes
 
@@ -38,6 +39,9 @@ def quantize(
                                          "ids sampled from the model itself (seed 0; default 256-token windows, "
                                          "max(32, 4 x the widest Linear input / 256) of them) "
                                          "[default: the bundled edgeq/data/calib-prose.txt]."),
+    calib_seed: Optional[int] = typer.Option(None, "--calib-seed", help="--calib self: the sampling seed [default: 0]. "
+                                             "Same seed, same machine class: the same windows; another seed: other "
+                                             "windows (docs/gptq.md: the KLD moves within ~2%)."),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help=_NSAMPLES_HELP),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help=_SEQLEN_HELP),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
@@ -67,7 +71,7 @@ def quantize(
         err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     parsed = Scheme.parse(chosen) if chosen else None
     check_method(method)
-    gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method)
+    gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
                        head_from=head_from, gptq=gptq, embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
@@ -104,13 +108,18 @@ def _extra_reads(plan) -> int:
     return e.bytes_in if e is not None and e.levels[0].own else 0
 
 
-def _gptq_options(calib, nsamples, seqlen, act_order, damp, method):
+def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None):
     """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
     that prepare() can refuse calibration options without --method gptq."""
     from edgeq.convert.calibrated import GPTQOptions  # noqa: PLC0415
 
+    if seed is not None and str(calib) != "self":
+        raise EdgeqError(f"--calib-seed {seed}: seeds the windows sampled by --calib self; a calibration text has no "
+                         f"seed (drop --calib-seed, or add --calib self)")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise EdgeqError(f"--calib-seed {seed}: must be in [0, 2^63)")
     given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
-                               ("act_order", act_order), ("damp", damp)) if v is not None}
+                               ("act_order", act_order), ("damp", damp), ("seed", seed)) if v is not None}
     if method != "gptq" and not given:
         return None
     return GPTQOptions(**given)
