@@ -222,6 +222,8 @@ def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, prose_b
     # the default packed table: its level 0 is the head, and a plain tensor (the final norm) is named too
     assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)
     assert any("model.norm.weight: checkpoint shape [256] but config.json implies [128]" in p for p in problems)
+    assert any("vocab_size 4096 x hidden_size 128, but the packed embedding model.embed_tokens is [4096, 256]" in p
+               for p in problems), problems  # the table's own record, not only the head's
     bad_bf16 = _copy(prose_bf16, tmp_path / "bad-bf16")  # a bf16 table is a plain tensor: named by its shape
     _edit_config(bad_bf16, lambda c: c.update(hidden_size=128))
     problems = inspect_checkpoint(bad_bf16, verify=True).problems
@@ -230,7 +232,8 @@ def test_inspect_verify_strict_reports_a_hidden_size_load_refuses(prose, prose_b
     assert any("lm_head: packed weight is [4096, 256] but config.json implies [4096, 128]" in p for p in problems)
     code, _, err = run_cli(["inspect", str(bad), "--verify", "--strict"], capsys)
     assert code == 1 and "--strict" in err
-    assert not [p for p in inspect_checkpoint(prose, verify=True).problems if "config.json implies" in p]
+    assert not [p for p in inspect_checkpoint(prose, verify=True).problems
+                if "config.json implies" in p or "the packed embedding" in p]
 
 
 # ------------------------------------------------------------------------------------------------------- log lines

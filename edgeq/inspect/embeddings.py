@@ -64,13 +64,21 @@ def embedding_info(ckpt: Checkpoint, manifest: Manifest, recipe: Recipe, problem
 
 
 def _shape(ckpt: Checkpoint, manifest: Manifest, module: str, problems: list[str]) -> tuple[int, int] | None:
-    """[V, K] of a packed table from its level 0's packed weight (U8 [V, K/2]), or None with the problem."""
+    """[V, K] of a packed table from its level 0's packed weight (U8 [V, K/2]), or None with the problem; a [V, K]
+    that contradicts config.json's vocab_size / hidden_size is a problem too (load() refuses such a table)."""
     first = manifest.embedding_levels(module)[0][0]
     qw = ckpt.tensors.get(f"{first}.qweight")
     if qw is None or qw.dtype != "U8" or len(qw.shape) != 2:
         problems.append(f"{MANIFEST}: packed embedding {module}: level 0 {first} has no U8 [V, K/2] qweight")
         return None
-    return qw.shape[0], 2 * qw.shape[1]
+    v, k = qw.shape[0], 2 * qw.shape[1]
+    cfg = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
+    want = (cfg.get("vocab_size"), cfg.get("hidden_size"))
+    if None not in want and (v, k) != want:
+        problems.append(f"config.json: vocab_size {want[0]} x hidden_size {want[1]}, but the packed embedding {module} is "
+                        f"[{v}, {k}] (level 0 {first}.qweight); config.json and the tensors disagree: restore the "
+                        f"config.json this checkpoint was written with, or re-quantise")
+    return v, k
 
 
 def packed_parts(manifest: Manifest, info: dict) -> set[str]:
