@@ -18,6 +18,8 @@ from edgeq.runtime.sizes import parse_bytes
 # torch is not loaded for --help); a text's are edgeq.convert.calibrated.TEXT_NSAMPLES / TEXT_SEQLEN
 _NSAMPLES_HELP = ("--method gptq: calibration windows [default: 128 for a text; for --calib self, max(32, ceil(4 x the "
                   "widest Linear input / --seqlen))].")
+_SEED_HELP = ("--calib self: the sampling seed [default: 0]. Same seed, same machine class: the same windows; another "
+              "seed: other windows (docs/gptq.md: the KLD moves within ~2%).")
 _SEQLEN_HELP = "--method gptq: tokens per window [default: 512 for a text; 256 for --calib self]."
 
 
@@ -39,9 +41,7 @@ def quantize(
                                          "ids sampled from the model itself (seed 0; default 256-token windows, "
                                          "max(32, 4 x the widest Linear input / 256) of them) "
                                          "[default: the bundled edgeq/data/calib-prose.txt]."),
-    calib_seed: Optional[int] = typer.Option(None, "--calib-seed", help="--calib self: the sampling seed [default: 0]. "
-                                             "Same seed, same machine class: the same windows; another seed: other "
-                                             "windows (docs/gptq.md: the KLD moves within ~2%)."),
+    calib_seed: Optional[int] = typer.Option(None, "--calib-seed", help=_SEED_HELP),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help=_NSAMPLES_HELP),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help=_SEQLEN_HELP),
     act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="--method gptq: visit columns by "
@@ -71,9 +71,9 @@ def quantize(
         err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     parsed = Scheme.parse(chosen) if chosen else None
     check_method(method)
-    gptq = _gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed)
-    prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize,
-                       head_from=head_from, gptq=gptq, embeddings=embeddings, head_levels=head_levels)
+    prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize, head_from=head_from,
+                       gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed),
+                       embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
     if dry_run:
         _dry_run(plan, as_json)
