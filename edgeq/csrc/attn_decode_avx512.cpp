@@ -1,6 +1,209 @@
-// Decode attention, avx512 unit: the shared body (attn_decode_body.h) compiled for this ISA.
+// Decode attention, avx512 unit (F/BW/VL/BF16 + FMA, within the avx512 path's set: docs/kernel.md "ISA paths"), any
+// head size D.
+//
+// Scores, per block of 16 keys (a tail block is copied into a zero-padded 16-row buffer first):
+//   for each query head g of the group: acc[i] (i = key of the block, 16 zmm) += vdpbf16ps(q_g[32 d], k_i[32 d]) over
+//   the 32-d pieces of D (the last one masked when 32 does not divide D). Each lane of acc[i] holds a partial sum of
+//   key i's dot product; reduce16 adds the 16 lanes of all 16 accumulators at once and leaves key i's score in lane i
+//   (45 shuffles and adds for 16 dot products, instead of a horizontal reduction per (key, head)).
+//   vdpbf16ps multiplies bf16 by bf16 exactly and adds in fp32 (round to nearest even; like every vdpbf16ps it reads
+//   bf16 denormals, |x| < 1.2e-38, as zero). The block's rows come from memory for the first head (prefetched two
+//   blocks ahead: attn_decode.h's prefetch_rows) and from L1 (<= 8 KB) for the others.
+// Softmax, per head: vector max (exact in any order), exp_nonpositive's steps on 16 lanes, the sum in 16 lanes.
+// Values: the output o[g, D] is tiled into up to 6 heads x 4 pieces of 16 fp32 lanes (<= 24 zmm accumulators held
+// for the whole chunk); per key, each V piece is loaded and widened once (bf16 -> fp32 is a 16-bit shift) and
+// fma'd into every head of the tile with that head's broadcast probability. Every (head, d) adds its keys in order.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "attn_decode.h"
+
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-#define ATTN_TASK task_avx512
-#include "attn_decode_body.h"
+// gcc 12's intrinsic headers initialise their "undefined" vectors from themselves (`__Y = __Y`), which
+// -Wmaybe-uninitialized reports at every use; the values are overwritten, nothing here is read uninitialised.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+
+namespace edgeq_attn {
+namespace {
+
+constexpr int BK = 16;  // keys per score block
+
+// lane i of the result = the sum of the 16 lanes of a[i], in a fixed order (pairs, then quads, then 128-bit blocks).
+inline __m512 reduce16(const __m512* a) {
+  __m512 t[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a2i, a2i+1, a2i, a2i+1] partial sums
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: [a4i, a4i+1, a4i+2, a4i+3] partial sums
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // blocks: [u2i (B0+B1), u2i (B2+B3), u2i+1 (B0+B1), u2i+1 (B2+B3)]
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+inline __m512bh bf16x32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bf16x32(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+// s[g * ss + i] = scale * (q_g . k_i) for the 16 keys of rows kb (stride D) and the group's heads. DC: D when it is
+// a compile-time constant (the common head sizes: constant row offsets), else 0.
+template <int DC>
+void score_block(const uint16_t* q, const uint16_t* kb, int64_t Drt, int64_t group, float scale, float* s,
+                 int64_t ss, __mmask16 keep) {
+  const int64_t D = DC ? DC : Drt, full = D / 32;
+  const __mmask32 rm = static_cast<__mmask32>((1ull << (D % 32)) - 1);
+  for (int64_t g = 0; g < group; ++g) {
+    const uint16_t* qg = q + g * D;
+    __m512 acc[BK];
+    for (int i = 0; i < BK; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < full; ++p) {
+      const __m512bh qv = bf16x32(qg + 32 * p);
+#pragma GCC unroll 16
+      for (int i = 0; i < BK; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qv, bf16x32(kb + i * D + 32 * p));
+    }
+    if (rm) {
+      const __m512bh qv = bf16x32(qg + 32 * full, rm);
+#pragma GCC unroll 16
+      for (int i = 0; i < BK; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qv, bf16x32(kb + i * D + 32 * full, rm));
+    }
+    _mm512_mask_storeu_ps(s + g * ss, keep, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+constexpr int64_t PF_K = 2;  // key blocks prefetched ahead
+
+template <int DC>
+void scores(const TaskView& tv, int64_t D, float scale, float* s, int64_t ss, uint16_t* pad) {
+  for (int64_t b = 0; b < PF_K * BK && b < tv.n; b += BK)
+    prefetch_rows(tv.k + b * D, (tv.n - b < BK ? tv.n - b : BK) * D * 2, true);
+  for (int64_t b = 0; b < tv.n; b += BK) {
+    const int64_t nk = tv.n - b < BK ? tv.n - b : BK, ahead = b + PF_K * BK;
+    if (ahead < tv.n) prefetch_rows(tv.k + ahead * D, (tv.n - ahead < BK ? tv.n - ahead : BK) * D * 2, true);
+    prefetch_rows(tv.v + b * D, nk * D * 2, false);
+    const uint16_t* kb = tv.k + b * D;
+    if (nk < BK) {  // the tail: its rows then zeros (their scores are computed and not stored)
+      std::memcpy(pad, kb, nk * D * 2);
+      std::memset(pad + nk * D, 0, (BK - nk) * D * 2);
+      kb = pad;
+    }
+    score_block<DC>(tv.q, kb, D, tv.group, scale, s + b, ss, static_cast<__mmask16>((1u << nk) - 1));
+  }
+}
+
+// exp_nonpositive (attn_decode.h) on 16 lanes, the same steps with fused multiply-adds.
+inline __m512 exp16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
+}
+
+// s[0, n) -> exp(s - m) in place; returns (m, l = sum of the exps).
+inline void softmax_row(float* s, int64_t n, float* m_out, float* l_out) {
+  __m512 mv = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), k, s + t));
+  }
+  const float m = _mm512_reduce_max_ps(mv);
+  __m512 lv = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), _mm512_set1_ps(m)));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    lv = _mm512_mask_add_ps(lv, k, lv, e);
+  }
+  *m_out = m;
+  *l_out = _mm512_reduce_add_ps(lv);
+}
+
+// o[h * os + 16 pc + i] += sum_t p[h * ps + t] * v[t * D + 16 pc + i] for h < NH, pc < NP, t < n (in order of t);
+// the last piece is masked by `last` (i < 16 lanes of it are real). Meanwhile the first npf rows of pf (the next
+// chunk's keys) are prefetched into L2, one per key.
+template <int NH, int NP>
+void values_tile(const float* p, int64_t ps, const uint16_t* v, int64_t n, int64_t D, float* o, int64_t os,
+                 __mmask16 last, const uint16_t* pf, int64_t npf) {
+  __m512 acc[NH][NP];
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_maskz_loadu_ps(c == NP - 1 ? last : 0xFFFF, o + h * os + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < npf) prefetch_rows(pf + t * D, D * 2, false);
+    __m512 vv[NP];
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(c == NP - 1 ? last : 0xFFFF, v + t * D + 16 * c);
+      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pb = _mm512_set1_ps(p[h * ps + t]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) _mm512_mask_storeu_ps(o + h * os + 16 * c, c == NP - 1 ? last : 0xFFFF, acc[h][c]);
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, __mmask16,
+                       const uint16_t*, int64_t);
+#define EDGEQ_TILES(h) &values_tile<h, 1>, &values_tile<h, 2>, &values_tile<h, 3>, &values_tile<h, 4>
+const TileFn kTiles[6][4] = {{EDGEQ_TILES(1)}, {EDGEQ_TILES(2)}, {EDGEQ_TILES(3)},
+                             {EDGEQ_TILES(4)}, {EDGEQ_TILES(5)}, {EDGEQ_TILES(6)}};
+#undef EDGEQ_TILES
+
+}  // namespace
+
+void task_avx512(const AttnArgs& a, int64_t task, float* scratch) {
+  const TaskView tv = task_view(a, task);
+  const int64_t D = a.D, group = tv.group, n = tv.n, ss = a.chunk, os = 2 + D;
+  float* s = scratch;                                            // [group, chunk]: scores, then probabilities
+  uint16_t* pad = reinterpret_cast<uint16_t*>(s + group * ss);  // [16, D] bf16: a tail block of keys
+  if (D == 128) scores<128>(tv, D, a.scale, s, ss, pad);
+  else if (D == 64) scores<64>(tv, D, a.scale, s, ss, pad);
+  else scores<0>(tv, D, a.scale, s, ss, pad);
+  for (int64_t g = 0; g < group; ++g) {
+    float* pg = tv.part + g * os;
+    softmax_row(s + g * ss, n, pg, pg + 1);
+    std::memset(pg + 2, 0, D * sizeof(float));
+  }
+  // Head tiles of at most 6 (balanced: 7 -> 4 + 3), D in tiles of 4 pieces of 16 lanes (the last piece masked).
+  const int64_t next_n = tv.t0 + n + a.chunk < a.end ? a.chunk : a.end - tv.t0 - n;  // the next chunk's keys
+  int64_t npf = next_n < n ? next_n : n;
+  const int64_t ntiles = (group + 5) / 6;
+  for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
+    const int64_t nh = group / ntiles + (ti < group % ntiles ? 1 : 0);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t left = D - d0, np = left >= 64 ? 4 : (left + 15) / 16, tail = left - 16 * (np - 1);
+      const __mmask16 last = tail >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tail) - 1);
+      kTiles[nh - 1][np - 1](s + h0 * ss, ss, tv.v + d0, n, D, tv.part + h0 * os + 2 + d0, os, last, tv.k + n * D,
+                             npf);
+      npf = 0;
+    }
+    h0 += nh;
+  }
+}
+
+}  // namespace edgeq_attn
+
+#pragma GCC diagnostic pop
 #pragma GCC pop_options

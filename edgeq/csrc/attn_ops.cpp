@@ -39,18 +39,20 @@ void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
               "out: expected contiguous bf16 ", q.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
   const int64_t group = H / KVH, T = end - start;
-  // Chunks of at most 256 keys, and enough tasks to give every thread some: a chunk costs a few microseconds.
-  const int64_t want = (2 * at::get_num_threads() + KVH - 1) / KVH;
-  int64_t chunk = (T + want - 1) / want;
-  chunk = chunk < 32 ? 32 : chunk > 256 ? 256 : chunk;
+  // The split depends on T and KVH only (attn_decode.h): the same chunks, hence the same bits, for any thread count.
+  const int64_t chunk = edgeq_attn::chunk_keys(T, KVH);
   const int64_t nchunks = (T + chunk - 1) / chunk, ntasks = KVH * nchunks;
-  std::vector<float> partial(ntasks * group * (2 + D));
+  // Buffers kept per thread across calls (grown, never shrunk): no allocation on the decode path after warm-up.
+  thread_local std::vector<float> partial;
+  if (partial.size() < static_cast<size_t>(ntasks * group * (2 + D))) partial.resize(ntasks * group * (2 + D));
   AttnArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
              reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
              reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
              H, KVH, D, keys.size(2), start, end, chunk, static_cast<float>(scale), partial.data()};
+  const int64_t need = edgeq_attn::scratch_floats(group, D, chunk);
   at::parallel_for(0, ntasks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(group * (D + chunk) + D);
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(need);
     for (int64_t i = i0; i < i1; ++i) {
       if (isa >= 2) edgeq_attn::task_avx512(a, i, scratch.data());
       else if (isa == 1) edgeq_attn::task_avx2(a, i, scratch.data());
@@ -59,10 +61,11 @@ void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   });
   // Merge the chunks of each query head h (kv head j = h / group, slot g = h % group of its tasks).
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  std::vector<float> acc(D);
+  thread_local std::vector<float> acc;
+  if (acc.size() < static_cast<size_t>(D)) acc.resize(D);
   for (int64_t h = 0; h < H; ++h) {
     const int64_t j = h / group, g = h % group;
-    const float* first = partial.data() + (j * nchunks) * group * (2 + D) + g * (2 + D);
+    const float* first = a.partial + (j * nchunks) * group * (2 + D) + g * (2 + D);
     float M = first[0];
     for (int64_t c = 1; c < nchunks; ++c) M = std::fmax(M, first[c * group * (2 + D)]);
     float L = 0.f;
