@@ -12,12 +12,18 @@ reported. Then one profiled run per arm and context (torch.profiler, self CPU ti
 - ``attention``: ``edgeq::decode_attn`` or SDPA;
 - ``norms, RoPE, elementwise``: every other op (RMSNorm, RoPE, cache writes, residual adds, silu, mul; the native
   ``edgeq::add_rms_norm`` and ``edgeq::rope_to_cache``);
-- ``argmax``: the greedy pick;
+- ``argmax``: the greedy pick (and its finiteness check: edgeq.runtime.generation.greedy);
 - ``left``: the unprofiled step time minus all of the above (Python, dispatch, OpenMP fork/join; the profiler
   inflates op times a little, so this is a lower estimate).
 
 ``kernel only`` replays the step's linear calls alone (every projection and the head, in order, random inputs of
-the same shapes): what benchmarks/bench_kernel.py measures, per token. ``outside the matmuls`` = step - kernel only.
+the same shapes): what benchmarks/bench_kernel.py measures, per token; it is timed in every pass beside the arms
+(interleaved: this machine's bandwidth drifts within minutes). ``outside the matmuls`` = step - kernel only.
+
+``--ablate`` (native ops) adds arms that time the same step with one class of native op replaced by a no-op (the
+logits are then wrong; only the time counts): ``without attention`` (``decode_attn``), ``without norms + RoPE``
+(``add_rms_norm``, ``rope_to_cache``). Step minus ablated step is what that op class really costs in the step,
+without the profiler's per-op inflation.
 
     python benchmarks/synthetic.py qwen2.5-1.5b /tmp/q15-hf && edgeq quantize /tmp/q15-hf -o /tmp/q15 --method minmax
     python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512,2048 --threads 2 --passes 3
@@ -39,7 +45,7 @@ import torch
 KERNEL_OPS = ("edgeq::int4_mm", "aten::_weight_int4pack_mm_for_cpu", "edgeq_w4a8::w4a8_mm", "aten::_weight_int8pack_mm",
               "aten::linear", "aten::mm", "aten::addmm", "aten::_int_mm")
 ATTN_OPS = ("edgeq::decode_attn", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
-ARGMAX_OPS = ("aten::argmax",)
+ARGMAX_OPS = ("aten::argmax", "edgeq::argmax_finite", "aten::isfinite", "aten::all")
 CATEGORIES = ("matmul kernel", "head", "attention", "norms, RoPE, elementwise", "argmax")
 
 
@@ -56,12 +62,34 @@ def _category(ev, vocab: int) -> str:
 
 
 def _steps(lm, first: int, n: int) -> float:
-    """Seconds for ``n`` greedy decode steps starting from token ``first``."""
+    """Seconds for ``n`` greedy decode steps starting from token ``first`` (the pick of edgeq's generation loop)."""
+    from edgeq.runtime.generation import greedy
+
     step, token = lm.decode_step, first
     t0 = time.perf_counter()
     for _ in range(n):
-        token = int(torch.argmax(step(token)))
+        token = max(0, greedy(step(token)))  # an ablated step may give non-finite logits: keep stepping
     return time.perf_counter() - t0
+
+
+ABLATIONS = {"without attention": ("decode_attn",), "without norms + RoPE": ("add_rms_norm", "rope_to_cache")}
+
+
+def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> float:
+    """ms per token of the native step with ``ops`` (edgeq.runtime.native functions) replaced by no-ops."""
+    from edgeq.runtime import native
+
+    saved = {name: getattr(native, name) for name in ops}
+    lm.decoder.ops = "native"
+    token = _prefill(lm, ctx, vocab)
+    try:
+        for name in ops:
+            setattr(native, name, lambda *a, **k: None)
+        _steps(lm, token, 2)
+        return _steps(lm, token, steps) / steps * 1e3
+    finally:
+        for name, fn in saved.items():
+            setattr(native, name, fn)
 
 
 def _prefill(lm, ctx: int, vocab: int) -> int:
@@ -109,6 +137,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ablate", action="store_true", help="also time the native step without attention, and "
+                    "without norms + RoPE (no-ops): what each really costs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -126,19 +156,25 @@ def main() -> None:
         raise SystemExit(f"the lean decoder does not run this model: {lm.settings.decode_loop_reason}")
     vocab = int(lm.config.vocab_size)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    times = {(c, a): [] for c in contexts for a in arms}
+    extra = ["kernel only"] + (list(ABLATIONS) if args.ablate else [])
+    times = {(c, a): [] for c in contexts for a in arms + extra}
     cpu0 = time.process_time()
     wall0 = time.perf_counter()
     for p in range(args.passes):
         for c in contexts:
-            order = arms[p % len(arms):] + arms[: p % len(arms)]
-            for a in order:
-                lm.decoder.ops = a
-                token = _prefill(lm, c, vocab)
-                _steps(lm, token, 2)  # warm
-                times[(c, a)].append(_steps(lm, token, args.steps) / args.steps * 1e3)
+            every = arms + extra
+            for a in every[p % len(every):] + every[: p % len(every)]:
+                if a == "kernel only":
+                    times[(c, a)].append(_replay_linears(lm, max(4, args.steps // 2)) * 1e3)
+                elif a in ABLATIONS:
+                    times[(c, a)].append(_ablated(lm, c, vocab, args.steps, ABLATIONS[a]))
+                else:
+                    lm.decoder.ops = a
+                    token = _prefill(lm, c, vocab)
+                    _steps(lm, token, 2)  # warm
+                    times[(c, a)].append(_steps(lm, token, args.steps) / args.steps * 1e3)
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0) / args.threads
-    kernel_ms = statistics.median(_replay_linears(lm, 8) for _ in range(3)) * 1e3
+    kernel_ms = statistics.median(v for c in contexts for v in times[(c, "kernel only")])
     prof = {}
     for c in contexts:
         for a in arms:
@@ -151,7 +187,8 @@ def main() -> None:
     print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, "
           f"decode path {s.decode_path}, loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed "
           f"passes {cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
-    print(f"kernel only (the step's {7 * len(lm.decoder.layers) + 1} linear calls replayed): {kernel_ms:.2f} ms/token\n")
+    print(f"kernel only (the step's {7 * len(lm.decoder.layers) + 1} linear calls replayed, in every pass): {kernel_ms:.2f} "
+          f"ms/token\n")
     print("| context | ops | step ms/token, median [min-max] | tok/s | outside the matmuls | "
           + " | ".join(CATEGORIES) + " | left |")
     print("|---|---|---|---|---|" + "---|" * (len(CATEGORIES) + 1))
@@ -162,10 +199,20 @@ def main() -> None:
             med = statistics.median(t)
             cats = prof[(c, a)]
             left = med - sum(cats.values())
+            kms = statistics.median(times[(c, "kernel only")])  # this context's passes
             rows.append(dict(context=c, ops=a, step_ms=med, step_min=min(t), step_max=max(t),
-                             kernel_only_ms=kernel_ms, outside_ms=med - kernel_ms, categories=cats, left_ms=left))
-            print(f"| {c} | {a} | {med:.2f} [{min(t):.2f}-{max(t):.2f}] | {1e3 / med:.1f} | {med - kernel_ms:.2f} | "
+                             kernel_only_ms=kms, outside_ms=med - kms, categories=cats, left_ms=left))
+            print(f"| {c} | {a} | {med:.2f} [{min(t):.2f}-{max(t):.2f}] | {1e3 / med:.1f} | {med - kms:.2f} | "
                   + " | ".join(f"{cats.get(k, 0.0):.2f}" for k in CATEGORIES) + f" | {left:.2f} |")
+    if args.ablate:
+        print("\n| context | arm | step ms/token, median [min-max] | native step minus this (ms) |\n|---|---|---|---|")
+        for c in contexts:
+            base = statistics.median(times[(c, "native")]) if (c, "native") in times else None
+            for a in ABLATIONS:
+                t = times[(c, a)]
+                diff = f"{base - statistics.median(t):.2f}" if base is not None else "n/a"
+                print(f"| {c} | {a} | {statistics.median(t):.2f} [{min(t):.2f}-{max(t):.2f}] | {diff} |")
+                rows.append(dict(context=c, ops=a, step_ms=statistics.median(t), step_min=min(t), step_max=max(t)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(started=started, finished=finished, checkpoint=args.checkpoint, threads=s.threads,
