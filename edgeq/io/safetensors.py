@@ -316,20 +316,30 @@ class ShardedWriter:
             self.pos, self.written = self.pos + 1, 0
 
     def read_back(self, name: str, start: int, stop: int) -> bytes:
-        """Bytes ``start..stop`` of the data of ``name``, a tensor already written whole, as stored (the open shard
-        is flushed first): a later tensor computed from an earlier one reads it back in blocks instead of holding it
-        (edgeq/convert/embeddings.py: a packed embedding's residual from the head as written)."""
+        """Bytes ``start..stop`` of the data of ``name``, a tensor already written whole, as stored: a later tensor
+        computed from an earlier one reads it back in blocks instead of holding it (edgeq/convert/embeddings.py: a
+        packed embedding's residual from the head as written). What is still pending comes from the buffer, so
+        reading back never breaks the aligned writes (it is called once per row block)."""
         done = [(i, s) for i, s in self.order[: self.pos] if s.name == name]
         if not done or not 0 <= start <= stop <= done[0][1].nbytes:
             raise RuntimeError(f"writer: cannot read back {name} bytes {start}..{stop} (not written whole, or out of range)")
         shard, spec = done[0]
         specs = self.shards[shard]
         before = sum(s.nbytes for s in specs[: next(j for j, s in enumerate(specs) if s.name == name)])
+        a = len(_header_bytes(specs, self.metadata)) + before + start
+        b = a + stop - start
+        on_disk = b
+        tail = b""
         if shard == self.shard and self.file is not None:
-            self._flush()  # the bytes still pending too; the next write ends on the next boundary again
-        with open(self.out_dir / self.names[shard], "rb") as f:
-            f.seek(len(_header_bytes(specs, self.metadata)) + before + start)
-            data = f.read(stop - start)
+            self.file.flush()  # what _write handed over (the buffered file object may hold a few bytes)
+            on_disk = min(b, self._at)
+            tail = bytes(self._pending[max(a, self._at) - self._at : b - self._at]) if b > self._at else b""
+        data = b""
+        if on_disk > a:
+            with open(self.out_dir / self.names[shard], "rb") as f:
+                f.seek(a)
+                data = f.read(on_disk - a)
+        data += tail
         if len(data) != stop - start:
             raise RuntimeError(f"writer: read back {len(data)} of {stop - start} bytes of {name}")
         return data
