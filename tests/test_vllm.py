@@ -61,15 +61,18 @@ MAX_TOKENS = 32
 # nats (module docstring). W4A16: vLLM's own attention/RMSNorm/RoPE/SiLU round differently (measured <= 0.041);
 # W4A8 quantises those slightly different activations to int8 per token, and a value that lands on the other side of
 # a rounding boundary moves by a whole int8 step (measured <= 0.134).
-TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25, "w4a16-g128-packed": 0.1, "w4a16-g128-packed-untied": 0.1}
+TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25, "w4a16-g128-packed": 0.1, "w4a16-g128-packed-untied": 0.1,
+        "w4a16-g128-head2": 0.1}
 # the checkpoints: `edgeq quantize` arguments after the model and -o; the embedding storage is always explicit (the
 # recipe's default may change). "-untied": the bundled model with its own lm_head.weight (_untied_copy), whose
 # packed table stores both levels (model.embed_tokens + model.embed_tokens.residual)
 CHECKPOINTS = {"w4a16-g128": ["--scheme", "w4a16-g128", "--embeddings", "bf16"],
                "w4a8-g128": ["--scheme", "w4a8-g128", "--embeddings", "bf16"],
                "w4a16-g128-packed": ["--scheme", "w4a16-g128", "--embeddings", "packed"],
-               "w4a16-g128-packed-untied": ["--scheme", "w4a16-g128", "--embeddings", "packed"]}
+               "w4a16-g128-packed-untied": ["--scheme", "w4a16-g128", "--embeddings", "packed"],
+               "w4a16-g128-head2": ["--scheme", "w4a16-g128", "--embeddings", "packed", "--head-levels", "2"]}
 PACKED = "w4a16-g128-packed"
+HEAD2 = "w4a16-g128-head2"  # the head adds the packed table's residual level: logits = x @ (D0 + D1)^T
 PROMPTS = ["The cat", "Once upon a time, in a small village,", "def main():\n    return", "Python is"]
 
 
@@ -212,18 +215,17 @@ def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(chec
 
 
 @needs_vllm
-def test_the_config_refuses_a_head_that_reads_two_levels(checkpoints, tmp_path):
-    """--head-levels 2 (the head adds the packed table's residual level): the plugin's head would compute level 0
-    only, so the checkpoint is refused with one line naming the option, never served with worse logits."""
+def test_the_config_reads_a_head_that_adds_the_tables_residual(checkpoints, tmp_path):
+    """--head-levels 2: the plugin's head adds the packed embedding's residual level (the level's loaded tensors, read
+    where the embedding holds them); a level no packed embedding holds is refused in one line."""
     from edgeq.integrations.vllm import EdgeqConfig
 
-    doctored = tmp_path / "head-levels-2"
-    shutil.copytree(checkpoints[PACKED], doctored)
-    manifest = json.loads((doctored / "edgeq_manifest.json").read_text())
-    manifest["head"]["levels"] = manifest["embeddings"]["model.embed_tokens"]["levels"]
-    (doctored / "edgeq_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(EdgeqError, match=r"head-levels-2: the head reads 2 levels \(--head-levels 2\).*--head-levels 1"):
-        EdgeqConfig({"quant_method": "edgeq"}).maybe_update_config(str(doctored))
+    config = EdgeqConfig({"quant_method": "edgeq"})
+    config.maybe_update_config(str(checkpoints[HEAD2]))
+    assert config.head_residuals == ("model.embed_tokens",)
+    plain = EdgeqConfig({"quant_method": "edgeq"})
+    plain.maybe_update_config(str(checkpoints[PACKED]))
+    assert plain.head_residuals == ()
 
 
 # --- serving: one vLLM engine per case, in a child process ----------------------------------------------------------
@@ -240,9 +242,12 @@ def _serve(path: Path, tp: int, prompts: list[list[int]], extra_env: dict | None
     arg = json.dumps({"path": str(path), "tp": tp, "prompts": prompts, "max_tokens": MAX_TOKENS,
                       "embedding": str(rows)})
     proc = subprocess.run([sys.executable, __file__, arg], capture_output=True, text=True, env=env, timeout=900)
+    levels = [json.loads(line.removeprefix("EDGEQ_HEAD_LEVELS ")) for line in proc.stdout.splitlines()
+              if line.startswith("EDGEQ_HEAD_LEVELS ")]
     for line in proc.stdout.splitlines():
         if line.startswith("EDGEQ_RESULT "):
-            return {"outputs": json.loads(line.removeprefix("EDGEQ_RESULT ")), "embedding": rows}, proc.stderr
+            return {"outputs": json.loads(line.removeprefix("EDGEQ_RESULT ")), "embedding": rows,
+                    "head_levels": levels[0] if levels else None}, proc.stderr
     return None, proc.stderr + proc.stdout
 
 
@@ -258,9 +263,10 @@ def _child(arg: str) -> None:
     result = [{"ids": list(o.outputs[0].token_ids),
                "logprobs": [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
               for o in outs]
-    from helpers.vllm_probe import embedding_rows  # pickled by reference: importable in vLLM's spawned processes
+    from helpers.vllm_probe import embedding_rows, head_levels  # pickled by reference: importable in vLLM's workers
 
     torch.save(llm.apply_model(embedding_rows)[0], spec["embedding"])
+    print("EDGEQ_HEAD_LEVELS " + json.dumps(llm.apply_model(head_levels)), flush=True)
     print("EDGEQ_RESULT " + json.dumps(result), flush=True)
 
 
@@ -379,20 +385,24 @@ def test_vllm_serves_the_runtimes_tokens(checkpoints, prompt_ids, scheme):
     E of the runtime, bit for bit)."""
     result, log = _served(checkpoints[scheme], 1, prompt_ids)
     _check_served(result, log, checkpoints[scheme], prompt_ids, tol=TOLS[scheme])
+    assert result["head_levels"] == [2 if scheme == HEAD2 else 1]  # the residual is summed, not silently dropped
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_tensor_parallel_2_gives_the_same_tokens_as_1(checkpoints, prompt_ids):
+@pytest.mark.parametrize("case", [PACKED, HEAD2])
+def test_tensor_parallel_2_gives_the_same_tokens_as_1(checkpoints, prompt_ids, case):
     """tp=2 splits every column-parallel layer on 64-row blocks and every row-parallel one on whole groups; its
     partial sums meet in vLLM's all-reduce, in bf16, so it may break a near tie the other way: nothing else. On the
     packed-embedding checkpoint: the head and the embedding's levels split the padded vocabulary alike, each rank
-    decodes its own ids and the all-reduce adds zeros (the embedding stays E, bit for bit)."""
-    path = checkpoints[PACKED]
+    decodes its own ids and the all-reduce adds zeros (the embedding stays E, bit for bit); a two-level head adds
+    each rank's rows of the residual level to its own."""
+    path = checkpoints[case]
     one, log1 = _served(path, 1, prompt_ids)
     assert one is not None, log1[-4000:]
     two, log = _served(path, 2, prompt_ids)
     _check_served(two, log, path, prompt_ids, others=[r["ids"] for r in one["outputs"]])
+    assert two["head_levels"] == [2 if case == HEAD2 else 1] * 2  # every rank's head sums its rows of each level
 
 
 def _foreign_layout() -> tinygemm.TinygemmLayout:

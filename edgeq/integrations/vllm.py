@@ -105,6 +105,7 @@ class EdgeqConfig(QuantizationConfig):
         self.group_sizes: dict[str, int] = {}
         self.head_name = "lm_head"
         self.embeddings: dict[str, packed_embedding.PackedSpec] = {}  # packed input embeddings by module
+        self.head_residuals: tuple[str, ...] = ()  # --head-levels 2: the embedding level modules the head adds
 
     def __repr__(self) -> str:
         return f"EdgeqConfig(kernel={self.kernel}, group_size={self.group_size})"
@@ -136,15 +137,12 @@ class EdgeqConfig(QuantizationConfig):
         if _perm_modules(info):
             raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
                              "re-quantise without --act-order, or serve it with `edgeq serve`")
-        if len(info.manifest.head.get("levels") or ()) > 1:  # the plugin's head computes level 0 only: refuse, never degrade
-            raise EdgeqError(f"{directory}: the head reads {len(info.manifest.head['levels'])} levels (--head-levels 2), "
-                             "which this edgeq's vLLM plugin does not serve; re-quantise with --head-levels 1, or serve "
-                             "it with `edgeq serve`")
         self.kernel, self.group_size = info.kernel, info.scheme.group_size
         self.group_sizes = dict(info.group_sizes)  # a recipe's per-module G
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
         self.head_name = info.head_name
         self.embeddings = packed_embedding.packed_specs(info, directory)
+        self.head_residuals = _head_residuals(info, self.embeddings, directory)
         if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
             layout_check(info.layout, tinygemm.probe(), strict=env.flag(STRICT_LAYOUT))
@@ -195,6 +193,18 @@ class EdgeqConfig(QuantizationConfig):
         head, _, last = prefix.rpartition(".")
         subs = self.packed_modules_mapping.get(last)
         return [f"{head}.{s}" if head else s for s in subs] if subs else [prefix]
+
+
+def _head_residuals(info: QuantInfo, specs: dict, directory: Path) -> tuple[str, ...]:
+    """The levels a ``--head-levels 2`` head adds to its own (none for one level): each must be a level of a packed
+    embedding the plugin serves, whose loaded tensors the head then reads (one copy, as in edgeq.runtime.load)."""
+    levels = [m for m, _ in info.manifest.head_levels[1:]]
+    held = {lv.module for spec in specs.values() for lv in spec.levels}
+    missing = [m for m in levels if m not in held]
+    if missing:
+        raise EdgeqError(f"{directory}/{MANIFEST}: the head adds level {missing[0]}, which no packed embedding of the "
+                         "checkpoint holds; re-quantise (--head-levels 2 needs --embeddings packed on a tied model)")
+    return tuple(levels)
 
 
 def _perm_modules(info: QuantInfo) -> list:
@@ -359,7 +369,8 @@ class EdgeqLinearMethod(LinearMethodBase):
         n = (layer.shard_indices.org_vocab_end_index - layer.shard_indices.org_vocab_start_index) if head else n_out
         module = self._module(layer, n)
         with state.STATE.lock:
-            state.STATE.served[self.prefix] = state.Served(module, n_out, head)
+            state.STATE.served[self.prefix] = state.Served(module, n_out, head,
+                                                           self.config.head_residuals if head else ())
         self.config.layer_done()
 
     def _module(self, layer, n: int):

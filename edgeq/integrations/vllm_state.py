@@ -65,6 +65,24 @@ class Served:
     module: Any
     n_out: int
     head: bool
+    residuals: tuple[str, ...] = ()  # --head-levels 2: the packed embedding levels the head adds (attached at first use)
+
+
+def attach_residuals(served: Served) -> None:
+    """Give a two-level head its residual levels: Int4Linear modules over the packed embedding's loaded tensors of
+    those levels (this rank's rows, the same as the head's; no copy), as edgeq.runtime.load does. At the head's first
+    call, when every layer has loaded (the head and the embedding load in either order)."""
+    levels = {lv.module: lv for emb in STATE.embeddings.values() for lv in emb.levels}
+    head = served.module
+    built = []
+    for name in served.residuals:
+        lv = levels.get(name)
+        if lv is None or lv.qweight.shape[0] != head.out_features:
+            raise EdgeqError(f"{name}: the head adds this level but this vLLM process holds "
+                             f"{'no such level' if lv is None else f'{lv.qweight.shape[0]} of its rows, not {head.out_features}'}; "
+                             "serve it with pipeline_parallel_size 1, or re-quantise with --head-levels 1")
+        built.append(Int4Linear(name, lv.qweight, lv.scales_and_zeros, lv.group_size, None, head.runtime))
+    head.residual_levels = tuple(built)
 
 
 def threshold(rt: Runtime) -> int:
@@ -87,6 +105,9 @@ def linear(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor
     """y [..., n_out] for the served layer ``key`` (its prefix): opaque to torch.compile."""
     served = STATE.served[key]
     m = served.module
+    if served.residuals and not m.residual_levels:
+        with STATE.lock:
+            attach_residuals(served)
     if isinstance(m, Int4Linear):
         threshold(m.runtime)
     m.bias = bias  # vLLM passes the layer's bias (None with skip_bias_add); the module adds it as the runtime does

@@ -14,3 +14,12 @@ def embedding_rows(model) -> torch.Tensor:
     (embed,) = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     with torch.no_grad():
         return embed(torch.arange(embed.org_vocab_size)).cpu()
+
+
+def head_levels(model) -> int:
+    """In each vLLM worker, after generating: the levels the served head sums (1 + its residual levels; a
+    ``--head-levels 2`` head attaches its residual at its first call)."""
+    from edgeq.integrations import vllm_state as state
+
+    (head,) = [s.module for s in state.STATE.served.values() if s.head]
+    return 1 + len(getattr(head, "residual_levels", ()))
