@@ -83,6 +83,26 @@ def prepare(model: str, workdir: Path, want_gguf: bool, schemes=(SCHEME,)) -> di
             "w4a8": out.get(SCHEME_W4A8, (None, None))[0], "conversion_w4a8": out.get(SCHEME_W4A8, (None, None))[1]}
 
 
+def refresh_page_cache(ckpt: Path) -> None:
+    """Evict a checkpoint's shards from the page cache and read them back through a MADV_HUGEPAGE mapping (what
+    edgeq's loader advises): the page cache as a load after a reboot finds it, in 2 MiB folios where the kernel can
+    (a fresh conversion's depend on free memory while it wrote: docs/runtime.md, "Huge pages")."""
+    import mmap
+    import os
+
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be evicted
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_HUGEPAGE)
+                m.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+        finally:
+            os.close(fd)
+    log(f"{ckpt.name}: page cache read back through a MADV_HUGEPAGE mapping")
+
+
 def _conv_row(model: str, c, scheme: str = SCHEME) -> str:
     if c is None:
         return f"| {model} | {scheme}: (converted earlier, not measured) | | | |"
@@ -207,6 +227,8 @@ def main() -> None:
     # no-repack and every table says so; --llama-no-repack forces that mode (a lower bound for llama.cpp).
     ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without its repacked weights")
     ap.add_argument("--json", type=Path, help="also write every report as JSON here")
+    ap.add_argument("--refresh-page-cache", action="store_true", help="evict each edgeq checkpoint and read it back "
+                    "through a MADV_HUGEPAGE mapping before timing (the page cache after a reboot; docs/runtime.md)")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     why_not = "--no-gguf" if args.no_gguf else gguf_possible()
@@ -216,6 +238,10 @@ def main() -> None:
     for model in args.models.split(","):
         schemes = (SCHEME,) if args.no_w4a8 else (SCHEME, SCHEME_W4A8)
         prep = prepare(model, args.workdir, why_not is None, schemes)
+        if args.refresh_page_cache:
+            for q in (prep["quantized"], prep["w4a8"]):
+                if q is not None:
+                    refresh_page_cache(Path(q))
         common = dict(threads=args.threads, kv_cache_bytes=args.kv_cache_bytes)
         arms = [Arm("A", str(prep["quantized"]), **common)]
         if prep["w4a8"] is not None:
