@@ -43,18 +43,8 @@ def _isas():
     (6, 1, 32, 300, 0, 257),       # one kv head, a chunk boundary just passed
 ])
 def test_matches_fp64_reference(isa, H, KVH, D, cap, start, end):
-    g = torch.Generator().manual_seed(H * 1000 + end)
-    q = (torch.randn(H, D, generator=g) * 2).bfloat16()
-    k = torch.randn(1, KVH, cap, D, generator=g).bfloat16()
-    v = torch.randn(1, KVH, cap, D, generator=g).bfloat16()
-    out = torch.full((H, D), float("nan"), dtype=torch.bfloat16)
-    scale = 1 / math.sqrt(D)
-    native.decode_attn(q, k, v, start, end, scale, out, isa=isa)
-    ref = _reference(q, k, v, start, end, scale)
-    # one bf16 rounding (relative 2^-9) of an fp32 result whose own error is ~1e-6 of the output's scale
-    bound = ref.abs() * 2.0**-8 + 1e-5 * float(ref.abs().max())
-    err = (out.double() - ref).abs()
-    assert bool((err <= bound).all()), f"max err {float(err.max()):.3g}, at most {float(bound.max()):.3g} allowed"
+    q, k, v = _problem(H, KVH, D, cap, H * 1000 + end)
+    out = _check(q, k, v, start, end, isa)
     if end - start == 1:
         assert torch.equal(out.view(KVH, H // KVH, D), v[0, :, start, None, :].expand(KVH, H // KVH, D))
 
@@ -68,7 +58,8 @@ def _problem(H, KVH, D, cap, seed):
 
 
 def _check(q, k, v, start, end, isa):
-    """decode_attn on `isa` within the fp64 reference's bound (test_matches_fp64_reference's); returns the output."""
+    """decode_attn on `isa` within the fp64 reference's bound: one bf16 rounding (relative 2^-9) of an fp32 result
+    whose own error is ~1e-6 of the output's scale. Returns the output."""
     H, D = q.shape
     out = torch.full((H, D), float("nan"), dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
