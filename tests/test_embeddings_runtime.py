@@ -6,10 +6,8 @@ the lean loop, transformers' from_pretrained, the CLI, a foreign layout and `edg
 from __future__ import annotations
 
 import json
-import mmap
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from edgeq.scheme import Scheme
 from helpers.checkpoints import avx2_like_layout, quantize
 from helpers.cli import run_cli
 from helpers.embeddings import TABLE, pack_by_hand, reference_table, with_table
-from helpers.mapping import greedy_both_loops, mapped_file, vm_flags
+from helpers.mapping import greedy_both_loops, mapped_file
 from helpers.models import save_tiny
 from helpers.paths import FIXTURE
 
@@ -338,20 +336,3 @@ def test_memory_projection_maps_the_levels():
                Tensor("lm_head.qweight", "U8", 1000, 1000, packed=True, qweight=True), Tensor("x", "F32", 10, 40)]
     proj = project(geo, tensors, ("", 0), kv_cache_bytes=1 << 20, repack=True)
     assert proj.mapped_weights == 1200 and proj.anon_weights == 1000 + 20
-
-
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no transparent huge pages")
-@pytest.mark.parametrize("which", ["packed", "bf16"])
-def test_lookup_tables_are_mapped_with_small_pages_and_the_head_huge(ckpts, which):
-    """load() advises every mapping MADV_HUGEPAGE (the decode step streams the weights) except the input embedding's
-    own tables (edgeq/io/mapped.py): a looked-up row must not map the 2 MiB around it. The packed level 0 is the head
-    (read whole every token): huge."""
-    q, p, _ = ckpts["tied"]
-    lm = load(p if which == "packed" else q)
-    emb, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
-    tables = [lv.qweight for lv in emb.levels if not lv.shared] if which == "packed" else [emb.weight]
-    assert tables and all(t.numel() * t.element_size() > 2 * mmap.PAGESIZE for t in tables)
-    for t in tables:
-        inner = t.data_ptr() + mmap.PAGESIZE  # a page wholly inside the table
-        assert "nh" in vm_flags(inner) and "hg" not in vm_flags(inner)
-    assert "hg" in vm_flags(head.qweight.data_ptr() + head.qweight.numel() // 2)

@@ -14,9 +14,9 @@ Huge pages: each mapping is advised ``MADV_HUGEPAGE`` (:func:`advise_huge`). Whe
 2 MiB folios (edgeq's writer fills it that way; a cold read through an advised mapping too), the kernel maps them
 with one PMD entry each instead of 512 PTEs, and the decode step, which streams every weight once per token, spends
 fewer cycles on TLB misses (measured: docs/runtime.md, "Huge pages"). Nothing is copied or allocated: the pages stay
-the page cache's, file-backed as before. A table read by rows (an input embedding that is not also the head) is
-advised back to small pages (:meth:`MappedFiles.advise_rows`): one looked-up row would otherwise map the whole 2 MiB
-around it into the process.
+the page cache's, file-backed as before. (A table read by rows, the input embedding, is not treated differently: on
+Linux 6.18 a fault maps a large page-cache folio whole even under MADV_NOHUGEPAGE, so that advice saved no RSS;
+docs/runtime.md, "Huge pages".)
 """
 
 from __future__ import annotations
@@ -107,27 +107,6 @@ class MappedFiles:
         t = torch.frombuffer(self._map(info.file), dtype=info.torch_dtype, count=info.nbytes // info.itemsize,
                              offset=info.start)
         return t.view(info.shape)
-
-    def advise_rows(self, t: torch.Tensor) -> bool:
-        """``MADV_NOHUGEPAGE`` on the whole pages inside mapped tensor ``t``: for a table the runtime reads a few rows
-        of (embeddings), so that each lookup maps 4 KiB pages, not 2 MiB ones (RSS would count a 2 MiB page per row
-        looked up). False when ``t`` is not in one of these mappings or the kernel has no such advice."""
-        advice, ptr, n = getattr(mmap, "MADV_NOHUGEPAGE", None), t.data_ptr(), t.numel() * t.element_size()
-        for m in self._maps.values():
-            base = address_of(m)
-            if advice is None or not base <= ptr < base + len(m):
-                continue
-            page = mmap.PAGESIZE
-            a = -(-(ptr - base) // page) * page
-            b = (ptr - base + n) // page * page
-            if b <= a:
-                return False
-            try:
-                m.madvise(advice, a, b - a)
-            except OSError:
-                return False
-            return True
-        return False
 
     def mapped_bytes(self) -> int:
         return sum(i.nbytes for i in self.tensors.values())

@@ -168,7 +168,6 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     files = MappedFiles(path)
     counts: Counter = Counter()
     model, swapped, attached = _build(config, files, info, counts, dtype, strict_layout)
-    _small_pages_for_lookups(model, files)
     plan, max_model_len = plan_kv(config, budget, max_model_len)
     cache = StaticKVCache(plan, dtype=dtype)
     if swapped is not None:
@@ -202,22 +201,6 @@ def _build(config, files: MappedFiles, info: QuantInfo | None, counts: Counter, 
     if not info:
         _count_bf16_linears(model, counts)
     return model, swapped, attached
-
-
-def _small_pages_for_lookups(model: nn.Module, files: MappedFiles) -> None:
-    """The input embedding's own tables are read a few rows per token: map them with 4 KiB pages (edgeq/io/mapped.py
-    advises everything else huge). A table that is also the head (tied reference, a packed level the head sums) is
-    read whole every token and stays huge."""
-    emb = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    head_w = getattr(head, "weight", None)
-    if isinstance(emb, embedding.PackedEmbedding):
-        tables = [t for lv in emb.levels if not lv.shared for t in (lv.qweight, lv.scales_and_zeros)]
-    else:
-        w = getattr(emb, "weight", None)
-        tables = [w] if w is not None and (head_w is None or head_w.data_ptr() != w.data_ptr()) else []
-    for t in tables:
-        files.advise_rows(t)
 
 
 def _path_settings(swapped: SwapResult | None) -> dict:
