@@ -99,8 +99,8 @@ def eos_ids(lm) -> set[int]:
 
 def greedy(logits: torch.Tensor) -> int:
     """The id of the first largest logit (``torch.argmax``'s choice), or -1 when any logit is NaN or infinite. One
-    native pass where edgeq's library runs (``native.argmax_finite``: ~0.8 ms less per token than torch's
-    ``isfinite().all()`` + ``argmax`` over a bf16 vocabulary of 151,936), else those two torch ops."""
+    native pass where edgeq's library runs (``native.argmax_finite``: 79 us where torch's ``isfinite().all()`` +
+    ``argmax`` took 0.53 ms on fp32 and 1.08 ms on bf16 logits, 151,936 of them), else those two torch ops."""
     if native.available():
         return native.argmax_finite(logits.contiguous())
     return int(torch.argmax(logits)) if bool(torch.isfinite(logits).all()) else -1
@@ -168,8 +168,9 @@ class Generation:
             top = greedy(logits)  # also the finiteness check, every step; the diagnosis runs only on failure
             if top < 0:
                 raise non_finite_error(lm, self.prompt_ids + r.token_ids, len(r.token_ids))
-            token = top if p.temperature == 0 else sample(logits.float(), p, gen)
-            lp = (_logprob(logits.float(), token, p.logprobs),) if p.logprobs is not None else ()
+            f32 = logits.float() if p.temperature > 0 or p.logprobs is not None else None  # greedy needs no cast
+            token = top if f32 is None or p.temperature == 0 else sample(f32, p, gen)
+            lp = (_logprob(f32, token, p.logprobs),) if p.logprobs is not None else ()
             if token in eos:
                 r.finish_reason = "stop"
                 break
