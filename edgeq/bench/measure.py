@@ -38,7 +38,6 @@ from pathlib import Path
 import psutil
 
 from edgeq.errors import EdgeqError
-from edgeq.io.mapped import address_of
 
 PAGE = mmap.PAGESIZE
 # psutil reports neither: its memory_info().shared is RssFile + RssShmem together, and it has no peak RSS (getrusage's
@@ -236,6 +235,14 @@ def file_cached_bytes(path: str | Path) -> int:
         return 0
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # writable view: ctypes needs one for the address; nothing is written
         return resident_bytes(address_of(m), size)
+
+
+def address_of(m: mmap.mmap) -> int:
+    """Start address of an mmap object. The buffer export is released at once, so the mmap can still be closed."""
+    probe = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(probe)
+    del probe
+    return address
 
 
 def tensor_resident(t) -> tuple[int, int]:

@@ -21,7 +21,6 @@ docs/runtime.md, "Huge pages".)
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -56,14 +55,6 @@ def advise_huge(m: mmap.mmap) -> bool:
     except OSError:
         return False
     return True
-
-
-def address_of(m: mmap.mmap) -> int:
-    """Start address of a mapping (the buffer export is released at once, so the mmap can still be closed)."""
-    probe = ctypes.c_char.from_buffer(m)
-    address = ctypes.addressof(probe)
-    del probe
-    return address
 
 
 class MappedFiles:
