@@ -8,6 +8,8 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py embedding-rss CKPT [--cat]            # RssFile of 512 random embedding lookups
     python benchmarks/probes.py w4a8-scalar                           # native W4A8 scalar/vnni vs the portable path
     python benchmarks/probes.py verify-cost CKPT                      # --verify's sha256 of every shard, s per GB
+    python benchmarks/probes.py pmd-map CKPT                          # 2 MiB regions of each shard the kernel maps huge
+    python benchmarks/probes.py huge-pages CKPT [--passes 12]         # one token's linears: mapped vs anonymous copies
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -97,11 +99,28 @@ def embedding_rss(args) -> None:
 
     lm = load(args.checkpoint, threads=args.threads)
     emb = lm.model.get_input_embeddings()
-    ids = torch.tensor([prompt_ids(512, emb.weight.shape[0], 0)])
+    ids = torch.tensor([prompt_ids(512, emb.num_embeddings, 0)])
+    own = [lv.qweight for lv in getattr(emb, "levels", ()) if not lv.shared] or [emb.weight]  # the table's own bytes
     before = rss_file_mib()
     with torch.inference_mode():
         emb(ids)
-    print(f"RssFile after load {before} MiB, after 512 random embedding lookups {rss_file_mib()} MiB")
+    table = sum(_in_page_tables(t.data_ptr(), t.numel() * t.element_size()) for t in own) >> 20
+    print(f"RssFile after load {before} MiB, after 512 random embedding lookups {rss_file_mib()} MiB; the table's own "
+          f"{sum(t.numel() * t.element_size() for t in own) >> 20} MiB: {table} MiB in the page tables (pagemap)")
+
+
+def _in_page_tables(ptr: int, n: int) -> int:
+    """Bytes of [ptr, ptr + n) mapped in this process's page tables (/proc/self/pagemap bit 63 per 4 KiB page): what
+    RSS counts of that range, whatever the VMA around it."""
+    import mmap
+    import struct
+
+    page = mmap.PAGESIZE
+    first, last = ptr // page, (ptr + n - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return sum(1 for (e,) in struct.iter_unpack("<Q", raw) if e >> 63) * page
 
 
 def w4a8_scalar(args) -> None:
@@ -141,22 +160,95 @@ def verify_cost(args) -> None:
           f" -> {times[1] / (total / 1e9):.2f} s per GB")
 
 
+def pmd_map(args) -> None:
+    """Map each 2 MiB region of every shard on its own (read-only, touched) and read its FilePmdMapped from smaps:
+    'H' = mapped with one 2 MiB entry (the page cache holds it as one 2 MiB folio), '.' = small pages."""
+    import mmap
+    import os
+
+    from edgeq.bench.measure import pmd_mapped
+
+    huge = 2 << 20
+    for shard in sorted(Path(args.checkpoint).glob("*.safetensors")):
+        fd = os.open(shard, os.O_RDONLY)
+        maps = []
+        for off in range(0, os.path.getsize(shard) - huge + 1, huge):
+            m = mmap.mmap(fd, huge, access=mmap.ACCESS_READ, offset=off)
+            m.madvise(mmap.MADV_HUGEPAGE)
+            m[0], m[huge - 1]
+            maps.append(m)
+        got = pmd_mapped()
+        marks = "".join("H" if got.get(address_of_ro(m), 0) else "." for m in maps)
+        print(f"{shard.name}: {marks.count('H')} of {len(marks)} 2 MiB regions PMD-mapped\n{marks}")
+        for m in maps:
+            m.close()
+        os.close(fd)
+
+
+def address_of_ro(m) -> int:
+    """Start address of a read-only mmap (ctypes needs a writable buffer; numpy reads the address of any)."""
+    import numpy as np
+
+    return np.frombuffer(m, dtype=np.uint8).ctypes.data
+
+
+def huge_pages(args) -> None:
+    """The decode step's linear calls (native kernel, M = 1) on the checkpoint's mapped tensors against anonymous
+    copies of the same tensors (4 KiB pages where transparent huge pages are madvise-only), arms interleaved; median
+    [min-max] over passes of the best of 3."""
+    import statistics
+
+    from edgeq.runtime import load
+
+    lm = load(args.checkpoint, max_model_len=1024, threads=args.threads, kv_cache_bytes="256MiB")
+    dec = lm.decoder
+    mods = [lin.fn.__self__ for L in dec.layers for lin in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)]
+    mods.append(dec.head.fn.__self__)
+    mapped = [(m.qweight, m.scales_and_zeros, m.group_size) for m in mods]
+    anon = [(q.clone(), sz.clone(), g) for q, sz, g in mapped]
+    layout = mods[0].runtime.layout
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for k in {q.shape[1] * 2 for q, _, _ in mapped}}
+    from edgeq.runtime import native
+
+    def run(mats) -> float:
+        t = time.perf_counter()
+        for q, sz, g in mats:
+            native.int4_mm(xs[q.shape[1] * 2], q, g, sz, layout=layout)
+        return time.perf_counter() - t
+
+    times = {"mapped": [], "anonymous": []}
+    for p in range(args.passes):
+        for arm in (("mapped", "anonymous") if p % 2 == 0 else ("anonymous", "mapped")):
+            mats = mapped if arm == "mapped" else anon
+            run(mats)
+            times[arm].append(min(run(mats) for _ in range(3)) * 1e3)
+    nbytes = sum(q.numel() + sz.numel() * 2 for q, sz, _ in mapped)
+    for arm, v in times.items():
+        med = statistics.median(v)
+        print(f"{arm}: {med:.2f} ms [{min(v):.2f}-{max(v):.2f}], {nbytes / med / 1e6:.1f} GB/s")
+    from edgeq.bench.measure import mapped_residency
+
+    r = mapped_residency(args.checkpoint)
+    print(f"checkpoint mapping: Rss {r.rss_bytes >> 20} MiB, of which PMD-mapped {r.pmd_mapped_bytes >> 20} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
-                                          "verify-cost"])
+                                          "verify-cost", "pmd-map", "huge-pages"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--cat", action="store_true", help="embedding-rss: read the files sequentially first")
+    ap.add_argument("--passes", type=int, default=12, help="huge-pages: interleaved passes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost") and not args.checkpoint:
+    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages") and not args.checkpoint:
         ap.error(f"{args.probe} needs CHECKPOINT")
     print(f"# {args.probe}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
-     "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost}[args.probe](args)
+     "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages}[args.probe](args)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ def _header_bytes(specs: list[OutSpec], metadata: dict[str, str]) -> bytes:
 # keeps a file in folios sized by the writes that filled it, and only 2 MiB folios can be mapped with one PMD entry.
 # Measured on ext4, Linux 6.18, Zen 4 (2026-12-01): a 1.2 GB checkpoint written in 4 MiB chunks was 100% PMD-mapped
 # when loaded, written in 1 MiB chunks (or by cp) 0%; reading the packed weights of one decode step through the
-# PMD-mapped pages ran 1.19x the rate of 4 KiB pages (docs/runtime.md, "Huge pages"). Costs one 4 MiB buffer.
+# PMD-mapped pages ran 1.08-1.19x the rate of 4 KiB pages, decode 1.08x (docs/runtime.md, "Huge pages"). One 4 MiB buffer.
 WRITE_CHUNK = 4 << 20
 
 
