@@ -108,9 +108,15 @@ def is_float(code: str) -> bool:
     return code.startswith("F") or code == "BF16"
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of a config.json dict: its nested ``text_config`` when there is one (VLMs), else
+    the dict itself."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
 def kv_geometry(config: dict) -> KVGeometry:
     """Layers, KV heads and head_dim from a config.json dict (a nested ``text_config`` wins, as for VLMs)."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    cfg = text_config(config)
     try:
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])

@@ -23,6 +23,7 @@ from edgeq.io.safetensors import read_tensor
 from edgeq.keys import MANIFEST, EmbeddingStorage
 from edgeq.layouts import tinygemm
 from edgeq.layouts.base import get as get_layout
+from edgeq.memory import text_config
 from edgeq.inspect.kinds import embedding
 
 DECODE_ROWS = 4096  # rows of E decoded at a time under --verify (V x K fp32 per level: bounded)
@@ -72,7 +73,7 @@ def _shape(ckpt: Checkpoint, manifest: Manifest, module: str, problems: list[str
         problems.append(f"{MANIFEST}: packed embedding {module}: level 0 {first} has no U8 [V, K/2] qweight")
         return None
     v, k = qw.shape[0], 2 * qw.shape[1]
-    cfg = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
+    cfg = text_config(ckpt.config)
     want = (cfg.get("vocab_size"), cfg.get("hidden_size"))
     if None not in want and (v, k) != want:
         problems.append(f"config.json: vocab_size {want[0]} x hidden_size {want[1]}, but the packed embedding {module} is "

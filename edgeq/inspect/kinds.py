@@ -15,6 +15,7 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.safetensors import DTYPES, TensorInfo
 from edgeq.keys import HEAD_MODULE, MANIFEST, QUANT_METHOD, Role
+from edgeq.memory import text_config
 from edgeq.inspect.schema import CATEGORIES, TensorRow
 
 # Tensor-name suffixes that belong to a quantised module (longest first when matching).
@@ -128,7 +129,7 @@ def unquantized_linears(rows_: list[TensorRow]) -> list[TensorRow]:
 
 
 def model_info(config: dict, parameters: int) -> dict:
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    cfg = text_config(config)
     arch = config.get("architectures")
     return {
         "architecture": arch[0] if isinstance(arch, list) and arch else None,
