@@ -217,7 +217,7 @@ def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(chec
 @needs_vllm
 def test_the_config_reads_a_head_that_adds_the_tables_residual(checkpoints, tmp_path):
     """--head-levels 2: the plugin's head adds the packed embedding's residual level (the level's loaded tensors, read
-    where the embedding holds them); a level no packed embedding holds is refused in one line."""
+    where the embedding holds them; a head level no packed table has is refused by the manifest reader first)."""
     from edgeq.integrations.vllm import EdgeqConfig
 
     config = EdgeqConfig({"quant_method": "edgeq"})

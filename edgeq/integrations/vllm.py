@@ -142,7 +142,9 @@ class EdgeqConfig(QuantizationConfig):
         self.not_converted = frozenset(name for name, _ in info.modules_not_converted)
         self.head_name = info.head_name
         self.embeddings = packed_embedding.packed_specs(info, directory)
-        self.head_residuals = _head_residuals(info, self.embeddings, directory)
+        # --head-levels 2: the levels after the head's own; the manifest reader checked they are a packed table's
+        # levels (edgeq.io.manifest._check_head_levels), which packed_specs just accepted
+        self.head_residuals = tuple(m for m, _ in info.manifest.head_levels[1:])
         if isinstance(info.layout, tinygemm.TinygemmLayout):  # a measured layout: this machine's may differ
             self.stored = info.layout
             layout_check(info.layout, tinygemm.probe(), strict=env.flag(STRICT_LAYOUT))
@@ -193,18 +195,6 @@ class EdgeqConfig(QuantizationConfig):
         head, _, last = prefix.rpartition(".")
         subs = self.packed_modules_mapping.get(last)
         return [f"{head}.{s}" if head else s for s in subs] if subs else [prefix]
-
-
-def _head_residuals(info: QuantInfo, specs: dict, directory: Path) -> tuple[str, ...]:
-    """The levels a ``--head-levels 2`` head adds to its own (none for one level): each must be a level of a packed
-    embedding the plugin serves, whose loaded tensors the head then reads (one copy, as in edgeq.runtime.load)."""
-    levels = [m for m, _ in info.manifest.head_levels[1:]]
-    held = {lv.module for spec in specs.values() for lv in spec.levels}
-    missing = [m for m in levels if m not in held]
-    if missing:
-        raise EdgeqError(f"{directory}/{MANIFEST}: the head adds level {missing[0]}, which no packed embedding of the "
-                         "checkpoint holds; re-quantise (--head-levels 2 needs --embeddings packed on a tied model)")
-    return tuple(levels)
 
 
 def _perm_modules(info: QuantInfo) -> list:
