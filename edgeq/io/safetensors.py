@@ -211,9 +211,10 @@ def _header_bytes(specs: list[OutSpec], metadata: dict[str, str]) -> bytes:
 
 # Bytes go to the file in whole, aligned chunks of this size (the last one of a shard shorter). Why: the page cache
 # keeps a file in folios sized by the writes that filled it, and only 2 MiB folios can be mapped with one PMD entry.
-# Measured on ext4, Linux 6.18, Zen 4 (2026-12-01): a 1.2 GB checkpoint written in 4 MiB chunks was 100% PMD-mapped
-# when loaded, written in 1 MiB chunks (or by cp) 0%; reading the packed weights of one decode step through the
-# PMD-mapped pages ran 1.08-1.19x the rate of 4 KiB pages, decode 1.08x (docs/runtime.md, "Huge pages"). One 4 MiB buffer.
+# Measured on ext4, Linux 6.18, Zen 4 (2026-12-01): a 1.2 GB checkpoint copied in 4 MiB writes was 100% PMD-mapped
+# when loaded, in 1 MiB writes (or by cp) 0%; a fresh conversion gets 2 MiB folios only where free 2 MiB blocks were
+# found while it wrote (36-77% while other jobs ran). Reading one decode step's packed weights through PMD-mapped
+# pages ran 1.08-1.19x the rate of 4 KiB pages, decode 1.08x (docs/runtime.md, "Huge pages"). One 4 MiB buffer.
 WRITE_CHUNK = 4 << 20
 
 
@@ -283,16 +284,12 @@ class ShardedWriter:
             raise EdgeqError(f"{self.out_dir / self.names[self.shard]}: write failed ({e.strerror}); free disk space and retry") from e
         self._at += len(data)
 
-    def _flush(self) -> None:
-        if self._pending:
-            self._write(self._pending)
-            self._pending = bytearray()
-        self.file.flush()
-
     def _finish_shard(self) -> None:
         if self.file is not None:
             try:
-                self._flush()
+                if self._pending:  # the shard's last, shorter write
+                    self._write(self._pending)
+                    self._pending = bytearray()
             finally:
                 self.file.close()
                 self.file = None
