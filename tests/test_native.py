@@ -97,6 +97,26 @@ def test_reads_other_machines_layouts(ready, layout):
             assert excess(native.int4_mm(x, qw, g, sz, layout=layout, isa=isa), ref, bound) <= 1.0, isa
 
 
+def test_offset_encoding_within_tolerance_on_outlier_activations(ready, here):
+    """The avx512 path sums x * (128 + q) and cancels 128 * sum(x) per group: its worst case is activations with a
+    large mean and outlier channels (post-norm hidden states). Within the stated tolerance, and the same bf16 output
+    as aten on >= 98% of outputs (measured 99.3-99.6% on this problem; the offset-1 encoding 99.95%)."""
+    for m in (1, 8):
+        x, qw, sz, _, _ = problem(m, 512, 4096, 128, seed=1, layout=here)
+        gen = torch.Generator().manual_seed(2)
+        xf = torch.randn(m, 4096, generator=gen) + 1.0
+        xf[:, 7], xf[:, 1000] = 300.0, -200.0
+        x = xf.to(torch.bfloat16)
+        wd = tinygemm.dequantize(tinygemm.unpack(qw, 512, 4096, here), sz, 128, dtype=torch.float64)
+        ref = x.double() @ wd.t()
+        bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+        aten = tinygemm.mm(x, qw, 128, sz)
+        for isa in ready["cpu_isas"]:
+            y = native.int4_mm(x, qw, 128, sz, isa=isa)
+            assert excess(y, ref, bound) <= 1.0, (m, isa)
+            assert float((y != aten).double().mean()) <= 0.02, (m, isa)
+
+
 def test_isa_paths_agree_closely(ready, here):
     """SIMD paths vs the portable one on a decode shape: same math, different summation order."""
     x, qw, sz, ref, bound = problem(1, 1536, 1536, 128, seed=3, layout=here)

@@ -1,7 +1,8 @@
 // AMX path (AMX-TILE + AMX-BF16 on top of the AVX512 path's set): full "halves" blocks of 32 or 64 rows.
 //
-// The weights are decoded exactly as in int4mm_avx512.cpp (vpermb, shift, ternlog -> bf16 pairs 1 + q/16 for rows j
-// at k and k+1), but instead of one vdpbf16ps per activation row the 16 decoded k-pairs of a 16-row vector are
+// The weights are decoded as int4mm_avx512.cpp decoded them before it moved to 128 + q (vpermb, shift, ternlog -> bf16
+// pairs 1 + q/16 for rows j at k and k+1: the smaller offset; AMX decodes once for up to 16 rows, so the shift it
+// would save is not worth the precision), but instead of one vdpbf16ps per activation row the 16 decoded k-pairs of a 16-row vector are
 // stored as one 1 KB B tile (VNNI layout: tile row = k pair, 16 dword columns = 16 output rows) and multiplied by
 // the A tile = up to 16 activation rows x 32 k, read straight from x, with one tdpbf16ps into an fp32 C tile. The
 // decode is done once per weight byte for up to 16 activation rows, so M = 1..16 cost about the same.

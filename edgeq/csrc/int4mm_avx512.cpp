@@ -2,13 +2,17 @@
 //
 // A block of S rows stores S/2 bytes per k; byte j holds row j (low nibble) and row j + S/2 (high nibble).
 // Two consecutive k are S contiguous bytes: A = bytes of k, B = bytes of k+1. One vpermb turns them into 16 dwords
-// (A_j, 0, B_j, 0) for 16 consecutive j; shifting by 3 (low nibble) or right by 1 (high nibble), masking with
-// 0x0078 and or-ing 0x3F80 gives, per dword, two bf16 words with value 1 + q/16 (exact) for rows j at k and k+1.
-// Example: byte A_j = 0x95 (row j: q = 5, row j + S/2: q = 9) -> low word 0x3F80 | 5 << 3 = 0x3FA8 = 1.3125 = 1 + 5/16,
-// high-nibble word 0x3F80 | 9 << 3 = 0x3FC8 = 1.5625 = 1 + 9/16.
+// (A_j, 0, B_j, 0) for 16 consecutive j. Or-ing 0x4300 into the low nibble's bits (one ternlog, no shift) or into
+// the high nibble shifted right by 4 gives, per dword, two bf16 words with value 128 + q (exact: 0x4300 is 128.0 and
+// its 7 mantissa bits count ones) for rows j at k and k+1.
+// Example: byte A_j = 0x95 (row j: q = 5, row j + S/2: q = 9) -> low word 0x4300 | 5 = 0x4305 = 133 = 128 + 5,
+// high-nibble word 0x4300 | 9 = 0x4309 = 137 = 128 + 9.
 // vdpbf16ps multiplies them with the bf16 pair (x[k], x[k+1]) and adds both products into an fp32 lane: the
-// activations stay bf16, the products are exact, the sums fp32. Per group, with D = sum x (1 + q/16):
-//     sum_k x w = scale * (16 (D - xs) - 8 xs) + zero * xs = 16 scale D + (zero - 24 scale) xs.
+// activations stay bf16, the products are exact, the sums fp32. Per group, with D = sum x (128 + q):
+//     sum_k x w = scale * ((D - 128 xs) - 8 xs) + zero * xs = scale D + (zero - 136 scale) xs.
+// Precision: D carries the offset 128 xs, which the epilogue cancels, so D's fp32 rounding is ~8x larger relative to
+// the result than with the offset-1 encoding 1 + q/16 (which costs one more shift per vector: measured 6-8% slower
+// per call, docs/kernel.md "Arithmetic and precision"); still far inside the tests' tolerance (2**-14 of |x|.|w|).
 // Loops: group g (G k's) -> tile of activation rows (1..4 rows: all row vectors at once; 5..8: one 16-j vector at a
 // time) -> k pairs.
 // Re-reads of a group's bytes for the second v or tile come from L1 (G*S/2 bytes <= 8 KB); DRAM is read once.
@@ -26,13 +30,13 @@
 namespace edgeq {
 namespace {
 
-// acc[m][v][h] = sum over the group's k of x[m, k] * (1 + q/16) for rows 16(v0+v) + l (h = 0) and
+// acc[m][v][h] = sum over the group's k of x[m, k] * (128 + q) for rows 16(v0+v) + l (h = 0) and
 // S/2 + 16(v0+v) + l (h = 1), l = 0..15. NV row vectors per pass; U independent partial sums per accumulator
 // (k pairs alternate between them) so that small tiles are not bound by the latency of vdpbf16ps.
 template <int S, int MT, int NV, int U>
 inline void group_dot(const uint8_t* wg, const uint16_t* x, int64_t ldx, int64_t G, const __m512i* idx,
                       __m512 acc[MT][NV][2]) {
-  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512i m0f = _mm512_set1_epi32(0x000F000F), b128 = _mm512_set1_epi32(0x43004300);
   __m512 part[U][MT][NV][2];
   for (int u = 0; u < U; ++u)
     for (int m = 0; m < MT; ++m)
@@ -43,8 +47,8 @@ inline void group_dot(const uint8_t* wg, const uint16_t* x, int64_t ldx, int64_t
       const __m512i r = load_pair<S>(wg + (kk + 2 * u) * (S / 2));
       for (int v = 0; v < NV; ++v) {
         const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
-        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA);  // (a & b) | c
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA);
+        const __m512i lo = _mm512_ternarylogic_epi32(d, m0f, b128, 0xEA);  // (a & b) | c
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 4), m0f, b128, 0xEA);
         for (int m = 0; m < MT; ++m) {
           int32_t pair;
           std::memcpy(&pair, x + m * ldx + kk + 2 * u, 4);
@@ -79,12 +83,11 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const 
       const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
       const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
       const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-      const __m512 c_dot = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
-      const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(24.f), sc, zr);
+      const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc, zr);
       for (int m = 0; m < MT; ++m) {
         float* yp = ys + (m0 + m) * S + r;
         __m512 y = _mm512_loadu_ps(yp);
-        y = _mm512_fmadd_ps(c_dot, acc[m][v][h], y);
+        y = _mm512_fmadd_ps(sc, acc[m][v][h], y);
         y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
         _mm512_storeu_ps(yp, y);
       }
