@@ -59,7 +59,8 @@ FIXTURE = DATA / "tiny-prose"
 # label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes), "uniform" (the same, without) or a
 #           TOML file under benchmarks/recipes/, --embeddings: None (the recipe's choice) / "bf16" / "packed" (the table
 #           as 4-bit levels, tied: level 0 = the head), --calib: None (the bundled text for gptq) or "self" (ids sampled
-#           from the model itself: no data), --head-levels: None (the recipe's) or 2 (the head adds the residual level))
+#           from the model itself: no data), --head-levels: None (the recipe's) or 2 (the head adds the residual level));
+#           method "gptq:minmax" is --method gptq --gptq-params minmax
 EDGEQ_ARMS = {
     "default": ("w4a16-g128", None, "family", None, None, None),
     "default-bf16": ("w4a16-g128", None, "family", "bf16", None, None),
@@ -75,6 +76,11 @@ EDGEQ_ARMS = {
     "gptq-self": ("w4a16-g128", "gptq", "family", "packed", "self", None),
     "gptq-head2": ("w4a16-g128", "gptq", "family", "packed", None, 2),
     "quality-bytes": ("w4a16-g256", "gptq", "llama-quality-bytes.toml", "packed", "self", 2),
+    "quality-bytes-text": ("w4a16-g256", "gptq", "llama-quality-bytes.toml", "packed", None, 2),
+    # GPTQ with its original min/max group parameters (--gptq-params minmax; the default before 2026-12-02)
+    "gptq-packed-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, None),
+    "gptq-head2-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, 2),
+    "quality-bytes-minmax": ("w4a16-g256", "gptq:minmax", "llama-quality-bytes.toml", "packed", "self", 2),
 }
 RECIPES = Path(__file__).resolve().parent / "recipes"
 # label -> llama_cpp's ftype constant; BF16: the converted file, scored as it is (no quantisation)
@@ -112,7 +118,10 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> t
     out = tmp / label
     recipe_arg = (str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform"
                   else str(RECIPES / recipe) if recipe.endswith(".toml") else None)
-    gptq = (GPTQOptions(calib=calib) if calib else GPTQOptions()) if method == "gptq" else None
+    method, _, params = (method or "").partition(":")
+    method = method or None
+    own = {"group_params": params} if params else {}
+    gptq = GPTQOptions(**({"calib": calib} if calib else {}), **own) if method == "gptq" else None
     extra = {"embeddings": embeddings} if embeddings else {}  # only then: runs on an edgeq without --embeddings too
     if head_levels:
         extra["head_levels"] = head_levels

@@ -529,10 +529,11 @@ def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float,
     assert report["method"] == man["method"] == "gptq" and man["head"]["method"] == "gptq"
     g = man["gptq"]
     assert g["calibration"]["windows"] == 3 and g["calibration"]["seqlen"] == 48 and g["calibration"]["file"] == "calib.txt"
-    assert g["act_order"] is True and g["damp"] == 0.01 and g["held_peak_bytes"] == 0
+    assert g["act_order"] is True and g["damp"] == 0.01 and g["held_peak_bytes"] == 0 and g["group_params"] == "search"
     assert sorted(g["relative_output_error"]) == sorted(BODY + ["lm_head"])
     assert sorted(man["perm_modules"]) == sorted(BODY + ["lm_head"])
-    assert any("GPTQ calibration: 3 windows x 48 tokens of calib.txt, act_order=True" in n for n in report["notes"])
+    assert any("GPTQ calibration: 3 windows x 48 tokens of calib.txt, act_order=True" in n and
+               "group parameters search" in n for n in report["notes"])
     windows = calibration_windows(src, calib.read_text(), 3, 48)
     expected = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), act_order=True))
     assert list(expected) == BODY + ["lm_head"]
@@ -546,6 +547,28 @@ def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float,
     for m, r in expected.items():
         q, sz, _, perm = read_module(tmp_path / "out2", m, 32)
         assert torch.equal(q, r.q) and torch.equal(sz, r.scales_and_zeros) and torch.equal(perm, r.perm), m
+
+
+def test_gptq_params_reach_the_sweep_and_are_refused_elsewhere(tmp_path, capsys, tiny_float):
+    """--gptq-params minmax: the checkpoint is the driver's min/max result (and differs from the default search);
+    the option without --method gptq is one line, exit 2, nothing written."""
+    from edgeq.convert.calibrate import calibration_windows, gptq_model
+    from edgeq.scheme import Scheme
+
+    src, calib = tiny_float
+    quantize_cli(src, tmp_path / "mm", capsys, *GPTQ_ARGS, "--calib", str(calib), "--gptq-params", "minmax")
+    assert json.loads((tmp_path / "mm" / "edgeq_manifest.json").read_text())["gptq"]["group_params"] == "minmax"
+    windows = calibration_windows(src, calib.read_text(), 3, 48)
+    minmax = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), group_params="minmax"))
+    searched = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32")))
+    for m in BODY[:3]:
+        q, sz, _, _ = read_module(tmp_path / "mm", m, 32)
+        assert torch.equal(q, minmax[m].q) and torch.equal(sz, minmax[m].scales_and_zeros), m
+    assert any(not torch.equal(minmax[m].scales_and_zeros, searched[m].scales_and_zeros) for m in BODY)
+    for extra in (["--gptq-params", "minmax"], ["--method", "gptq", "--gptq-params", "mse"]):
+        code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "no"), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1 and "--gptq-params" in err, err
+    assert not (tmp_path / "no").exists()
 
 
 def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):

@@ -21,6 +21,12 @@ _NSAMPLES_HELP = ("--method gptq: calibration windows [default: 128 for a text; 
 _SEED_HELP = ("--calib self: the sampling seed [default: 0]. Same seed, same machine class: the same windows; another "
               "seed: other windows (docs/gptq.md: the KLD moves within ~2%).")
 _SEQLEN_HELP = "--method gptq: tokens per window [default: 512 for a text; 256 for --calib self]."
+_CALIB_HELP = ("--method gptq: calibration text, or 'self': token ids sampled from the model itself (seed 0; default "
+               "256-token windows, max(32, 4 x the widest Linear input / 256) of them) [default: the bundled "
+               "edgeq/data/calib-prose.txt].")
+_GPTQ_PARAMS_HELP = ("--method gptq: each group's scale and zero, chosen when the sweep reaches it: search (the rtn "
+                     "least-squares search on its error-updated values) | minmax (GPTQ's original; the default "
+                     "before 2026-12-02) [default: search].")
 
 
 def quantize(
@@ -37,10 +43,7 @@ def quantize(
                                     "the layers that cannot be repacked exactly, e.g. another group size."),
     head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
                                              "float model (its lm_head, or its tied embedding)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="--method gptq: calibration text, or 'self': token "
-                                         "ids sampled from the model itself (seed 0; default 256-token windows, "
-                                         "max(32, 4 x the widest Linear input / 256) of them) "
-                                         "[default: the bundled edgeq/data/calib-prose.txt]."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help=_CALIB_HELP),
     calib_seed: Optional[int] = typer.Option(None, "--calib-seed", help=_SEED_HELP),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help=_NSAMPLES_HELP),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help=_SEQLEN_HELP),
@@ -48,6 +51,7 @@ def quantize(
                                              "decreasing Hessian diagonal; adds M.perm (one input gather) [default: off]."),
     damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
                                          "diagonal [default: 0.01]."),
+    gptq_params: Optional[str] = typer.Option(None, "--gptq-params", help=_GPTQ_PARAMS_HELP),
     embeddings: Optional[str] = typer.Option(None, "--embeddings", help="packed (4-bit: the head's levels plus a "
                                              "residual, tinygemm schemes) | bf16 [default: the recipe's "
                                              "embeddings_storage; w4a8: bf16]."),
@@ -72,7 +76,7 @@ def quantize(
     parsed = Scheme.parse(chosen) if chosen else None
     check_method(method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize, head_from=head_from,
-                       gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed),
+                       gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed, gptq_params),
                        embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
     if dry_run:
@@ -108,7 +112,7 @@ def _extra_reads(plan) -> int:
     return e.bytes_in if e is not None and e.levels[0].own else 0
 
 
-def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None):
+def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None, group_params=None):
     """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
     that prepare() can refuse calibration options without --method gptq."""
     from edgeq.convert.calibrated import GPTQOptions  # noqa: PLC0415
@@ -116,10 +120,14 @@ def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None):
     if seed is not None and str(calib) != "self":
         raise EdgeqError(f"--calib-seed {seed}: seeds the windows sampled by --calib self; a calibration text has no "
                          f"seed (drop --calib-seed, or add --calib self)")
+    if group_params is not None and method != "gptq":
+        raise EdgeqError(f"--gptq-params {group_params}: applies to --method gptq (edgeq's own GPTQ sweep), not to "
+                         f"--method {method or 'rtn'}; drop it or add --method gptq")
     if seed is not None and not 0 <= seed < 2**63:
         raise EdgeqError(f"--calib-seed {seed}: must be in [0, 2^63)")
     given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
-                               ("act_order", act_order), ("damp", damp), ("seed", seed)) if v is not None}
+                               ("act_order", act_order), ("damp", damp), ("seed", seed),
+                               ("group_params", group_params)) if v is not None}
     if method != "gptq" and not given:
         return None
     return GPTQOptions(**given)

@@ -37,7 +37,8 @@ from torch import nn
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
-from edgeq.quantize.gptq import GPTQResult, HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
+from edgeq.quantize.gptq import (GROUP_PARAMS, GPTQResult, HessianAccumulator, concat_rows, gptq_quantize,
+                                 prepare_hessian)
 from edgeq.scheme import Scheme
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -213,6 +214,7 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
             gptq_quantize(
                 w, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
                 static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat, prepared=prep,
+                group_params=opts["group_params"],
             )
         )
     return parts[0] if len(parts) == 1 else concat_rows(parts)
@@ -231,6 +233,7 @@ def gptq_model(
     act_order: bool = False,
     static_groups: bool = False,
     block_size: int = 128,
+    group_params: str = GROUP_PARAMS[0],
     keep: frozenset[str] | set[str] = frozenset(),
     head_source: str | None = None,
     head_module: str = HEAD_MODULE,
@@ -247,7 +250,7 @@ def gptq_model(
     ``<head_module>.weight`` if present, else the embedding table). ``progress(done, total, label)`` is called after
     the embeddings (0), each layer and the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for
     tests and diagnostics). ``group_sizes``: ``{module: G}`` for modules quantised with another group size than the
-    scheme's.
+    scheme's. ``group_params``: how GPTQ picks each group's (scale, zero) (:data:`edgeq.quantize.gptq.GROUP_PARAMS`).
     """
     t0 = time.perf_counter()
     root = Path(model_dir)
@@ -259,7 +262,7 @@ def gptq_model(
     embed_name = names[id(base.embed_tokens)] + ".weight"
     head_tensor = head_source or (f"{head_module}.weight" if f"{head_module}.weight" in ckpt.tensors else embed_name)
     opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size,
-            "group_sizes": dict(group_sizes or {})}
+            "group_params": group_params, "group_sizes": dict(group_sizes or {})}
     s, t = windows.shape
     run = _LayerRunner(model, config, t, compute_dtype)
     total = len(base.layers) + 1

@@ -30,6 +30,7 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.safetensors import ShardedWriter
 from edgeq.keys import DATA, Action, Role
+from edgeq.quantize.gptq import GROUP_PARAMS
 from edgeq.layouts.tinygemm import TinygemmLayout, check_values
 from edgeq.scheme import Scheme
 
@@ -44,7 +45,7 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 @dataclass(frozen=True)
 class GPTQOptions:
     """``--method gptq`` settings: calibration text (or ``"self"``: tokens sampled from the model, seeded), windows,
-    act-order, dampening (docs/gptq.md). ``nsamples`` / ``seqlen`` left as None take the source's defaults: 128 x 512
+    act-order, dampening, how each group's (scale, zero) are chosen (docs/gptq.md). ``nsamples`` / ``seqlen`` left as None take the source's defaults: 128 x 512
     for a text; for ``self`` seqlen 256 and nsamples None, resolved from the model when sampling
     (:func:`edgeq.convert.selfcal.default_nsamples`: 32, more for a widest Linear input above 2048)."""
 
@@ -55,6 +56,7 @@ class GPTQOptions:
     damp: float = 0.01
     block_size: int = 128
     seed: int = selfcal.SEED  # --calib self only: the sampling seed
+    group_params: str = GROUP_PARAMS[0]  # each group's (scale, zero): the rtn search, or GPTQ's original min/max
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calib", str(self.calib))  # a Path from the CLI
@@ -70,6 +72,8 @@ class GPTQOptions:
     def check(self) -> None:
         if (self.nsamples is not None and self.nsamples < 1) or self.seqlen < 2:
             raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
+        if self.group_params not in GROUP_PARAMS:
+            raise EdgeqError(f"--gptq-params {self.group_params}: must be one of {', '.join(GROUP_PARAMS)}")
         if not 0.0 < self.damp <= 1.0:
             raise EdgeqError(f"--damp {self.damp}: must be in (0, 1] (a fraction of the mean Hessian diagonal; default 0.01)")
         if self.calib_file is None:
@@ -220,7 +224,7 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
     layers = _Layers(progress)
     keep = frozenset(e.module for e in plan.entries if e.action == Action.KEEP)
     results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
-                         block_size=opts.block_size, keep=keep, head_source=plan.head.source,
+                         block_size=opts.block_size, group_params=opts.group_params, keep=keep, head_source=plan.head.source,
                          head_module=plan.head_module, group_sizes=group_sizes(plan), progress=layers)
     errors, rel_out, damp_used, anon_peak = {}, {}, {}, 0
     try:
@@ -246,5 +250,6 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
         embeddings = write_levels(ckpt, plan, e, record, writer, progress)
         anon_peak = max(anon_peak, rss()[0])
     details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
+               "group_params": opts.group_params,
                "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
     return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}

@@ -111,7 +111,8 @@ def notes(plan: Plan, details: dict) -> list[str]:
     if plan.method == "gptq":
         g = details.get("gptq", {})
         c = g.get("calibration", {})
-        lines = [f"GPTQ calibration: {describe_calibration(c)}, act_order={g.get('act_order')}, damp={g.get('damp')}"]
+        lines = [f"GPTQ calibration: {describe_calibration(c)}, act_order={g.get('act_order')}, damp={g.get('damp')}, "
+                 f"group parameters {g.get('group_params', 'minmax')}"]
         if g.get("damp_escalated"):
             lines.append(f"dampening raised for {len(g['damp_escalated'])} module(s): {g['damp_escalated']}")
         return lines

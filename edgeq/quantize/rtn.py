@@ -71,7 +71,7 @@ def quantize_groups(w: torch.Tensor, group_size: int, method: str = "rtn", name:
     if not bool(torch.isfinite(wf).all()):
         bad = int((~torch.isfinite(wf)).sum())
         raise EdgeqError(f"{name}: {bad} NaN/Inf value(s) in the weights; fix or re-export the checkpoint")
-    best_scale, best_zero = _choose(wf, method)
+    best_scale, best_zero = choose_params(wf, method)
     best = search.codes(wf, best_scale, best_zero)
     best_err = search.weighted_error(wf, best, best_scale, best_zero, torch.ones_like(wf))
     sz = torch.stack((best_scale[..., 0], best_zero[..., 0]), dim=-1)  # [N, K/G, 2]
@@ -91,8 +91,9 @@ def _clip_candidates(wf: torch.Tensor, ratios) -> list[tuple[torch.Tensor, torch
     return [search.minmax_params(centre - r * half, centre + r * half) for r in ratios]
 
 
-def _choose(wf: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group bf16 (scale, zero) for ``method``; every method's first candidate is min/max, and ties keep it."""
+def choose_params(wf: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group bf16 (scale, zero) fp32 [R, Gc, 1] of the groups ``wf`` fp32 [R, Gc, G] for ``method``; every
+    method's first candidate is min/max, and ties keep it. GPTQ uses it too, on each group's error-updated values."""
     candidates = _clip_candidates(wf, CLIP_RATIOS if method != "minmax" else (1.0,))
     if method == "rtn":
         return search.lsq_search(wf, torch.ones_like(wf), extra=tuple(candidates[1:]))
