@@ -57,7 +57,7 @@ from edgeq.scheme import Scheme
 
 FIXTURE = DATA / "tiny-prose"
 # label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes), "uniform" (the same, without) or a
-#           TOML file under benchmarks/recipes/, --embeddings: None (the recipe's choice) / "bf16" / "packed" (the table
+#           named recipe (`edgeq recipes`: "quality"), --embeddings: None (the recipe's choice) / "bf16" / "packed" (the table
 #           as 4-bit levels, tied: level 0 = the head), --calib: None (the bundled text for gptq) or "self" (ids sampled
 #           from the model itself: no data), --head-levels: None (the recipe's) or 2 (the head adds the residual level));
 #           method "gptq:minmax" is --method gptq --gptq-params minmax
@@ -75,14 +75,13 @@ EDGEQ_ARMS = {
     "head2": ("w4a16-g128", None, "family", "packed", None, 2),
     "gptq-self": ("w4a16-g128", "gptq", "family", "packed", "self", None),
     "gptq-head2": ("w4a16-g128", "gptq", "family", "packed", None, 2),
-    "quality-bytes": ("w4a16-g256", "gptq", "llama-quality-bytes.toml", "packed", "self", 2),
-    "quality-bytes-text": ("w4a16-g256", "gptq", "llama-quality-bytes.toml", "packed", None, 2),
+    "quality-bytes": ("w4a16-g256", "gptq", "quality", "packed", "self", 2),
+    "quality-bytes-text": ("w4a16-g256", "gptq", "quality", "packed", None, 2),
     # GPTQ with its original min/max group parameters (--gptq-params minmax; the default before 2026-12-02)
     "gptq-packed-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, None),
     "gptq-head2-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, 2),
-    "quality-bytes-minmax": ("w4a16-g256", "gptq:minmax", "llama-quality-bytes.toml", "packed", "self", 2),
+    "quality-bytes-minmax": ("w4a16-g256", "gptq:minmax", "quality", "packed", "self", 2),
 }
-RECIPES = Path(__file__).resolve().parent / "recipes"
 # label -> llama_cpp's ftype constant; BF16: the converted file, scored as it is (no quantisation)
 LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "BF16": None}
@@ -117,7 +116,7 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> t
     scheme, method, recipe, embeddings, calib, head_levels = EDGEQ_ARMS[label]
     out = tmp / label
     recipe_arg = (str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform"
-                  else str(RECIPES / recipe) if recipe.endswith(".toml") else None)
+                  else None if recipe == "family" else recipe)  # else a named recipe (edgeq recipes)
     method, _, params = (method or "").partition(":")
     method = method or None
     own = {"group_params": params} if params else {}

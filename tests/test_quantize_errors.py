@@ -230,4 +230,4 @@ def test_hub_id_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
 def test_recipes_command_lists_all(capsys):
     code, out, _ = run_cli(["recipes", "--json"], capsys)
     assert code == 0
-    assert sorted(r["name"] for r in json.loads(out)) == ["gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert sorted(r["name"] for r in json.loads(out)) == ["gemma2", "llama", "mistral", "phi3", "quality", "qwen2", "qwen3"]

@@ -1,0 +1,44 @@
+"""recipes/quality.toml: the named recipe that matches llama.cpp Q4_K_M's bytes with GPTQ and a two-level head
+(docs/results.md, "Quality per byte"). Asked for by name only; what it writes; where it refuses."""
+
+from __future__ import annotations
+
+from edgeq.convert.recipe import find_recipe
+from edgeq.io.manifest import read_manifest
+from edgeq.runtime import generate_ids, load
+from helpers.cli import run_cli
+from helpers.models import save_tiny
+from helpers.paths import FIXTURE
+
+
+def test_never_picked_by_model_type():
+    assert find_recipe(None, "llama").name == "llama" and find_recipe(None, "qwen2").name == "qwen2"
+    r = find_recipe("quality", "llama")
+    assert (r.model_types, r.scheme, r.method, r.embeddings_storage, r.head_levels) == \
+        ((), "w4a16-g256", "gptq", "packed", 2)
+
+
+def test_converts_the_bundled_model(tmp_path, capsys):
+    """GPTQ (self-sampled windows), the head summing both packed levels, g256 with g128 for k/v and the MLP; the
+    checkpoint loads and generates."""
+    out = tmp_path / "q"
+    code, _, err = run_cli(["quantize", FIXTURE, "-o", out, "--recipe", "quality", "--calib", "self", "--nsamples", "2",
+                            "--seqlen", "16", "-q"], capsys)
+    assert code == 0, err
+    m = read_manifest(out)
+    assert (m.scheme, m.method, m.extra["gptq"]["calibration"]["source"]) == ("w4a16-g256", "gptq", "self")
+    assert m.head_levels == [("lm_head", 256), ("model.embed_tokens", 256)]  # level 0 is the head, level 1 the residual
+    groups = {p: m.group_size(f"model.layers.0.{p}") for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                               "mlp.down_proj")}
+    assert groups == {"self_attn.q_proj": 256, "self_attn.k_proj": 128, "self_attn.v_proj": 128,
+                      "self_attn.o_proj": 256, "mlp.gate_proj": 128, "mlp.up_proj": 128, "mlp.down_proj": 128}
+    lm = load(out, kv_cache_bytes=16 << 20)
+    assert len(generate_ids(lm, [1, 2, 3], 4)) >= 3
+
+
+def test_a_family_gptq_cannot_calibrate_is_refused(tmp_path, capsys):
+    src = save_tiny("gemma2", tmp_path / "g2", tied=True)
+    code, _, err = run_cli(["quantize", src, "-o", tmp_path / "o", "--recipe", "quality", "-q"], capsys)
+    assert code == 2 and "model_type 'gemma2' is not supported by GPTQ calibration" in err, err
+    assert not (tmp_path / "o").exists()
