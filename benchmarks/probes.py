@@ -10,6 +10,8 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py verify-cost CKPT                      # --verify's sha256 of every shard, s per GB
     python benchmarks/probes.py pmd-map CKPT                          # 2 MiB regions of each shard the kernel maps huge
     python benchmarks/probes.py huge-pages CKPT [--passes 12]         # one token's linears: mapped vs anonymous copies
+    python benchmarks/probes.py peak                                  # the multiply-add roof: vdpbf16ps / vpdpbusd
+                                                                      #   per second, and the prefill ceilings it sets
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -231,11 +233,102 @@ def huge_pages(args) -> None:
     r = mapped_residency(args.checkpoint)
     print(f"checkpoint mapping: Rss {r.rss_bytes >> 20} MiB, of which PMD-mapped {r.pmd_mapped_bytes >> 20} MiB")
 
+_PEAK_SRC = r"""
+// Register-only loops of independent vdpbf16ps (bf16 pairs -> fp32, 32 multiply-adds per 512-bit instruction) and
+// vpdpbusd (u8 x s8 quads -> s32, 64 per instruction): the most multiply-adds a core retires, no memory traffic.
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+template <class F> double run(int threads, long iters, F body) {
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) ts.emplace_back([&] { body(iters); });
+  for (auto& t : ts) t.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+__attribute__((target("avx512f,avx512bf16"))) void bf16(long n) {
+  __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80), w = (__m512bh)_mm512_set1_epi32(0x3C003C00);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+         a10 = a0, a11 = a0;
+  for (long i = 0; i < n; ++i) {  // 12 independent chains in registers (named: an array may live in memory)
+    // opaque values: the compiler can neither fold a chain into a + n * c nor merge equal chains into one
+    __asm__ volatile("" : "+v"(x), "+v"(w), "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+    a0 = _mm512_dpbf16_ps(a0, x, w); a1 = _mm512_dpbf16_ps(a1, x, w); a2 = _mm512_dpbf16_ps(a2, x, w);
+    a3 = _mm512_dpbf16_ps(a3, x, w); a4 = _mm512_dpbf16_ps(a4, x, w); a5 = _mm512_dpbf16_ps(a5, x, w);
+    a6 = _mm512_dpbf16_ps(a6, x, w); a7 = _mm512_dpbf16_ps(a7, x, w); a8 = _mm512_dpbf16_ps(a8, x, w);
+    a9 = _mm512_dpbf16_ps(a9, x, w); a10 = _mm512_dpbf16_ps(a10, x, w); a11 = _mm512_dpbf16_ps(a11, x, w);
+  }
+  const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
+                    _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+  if (_mm512_reduce_add_ps(s) == 1.2345f) std::puts("");
+}
+__attribute__((target("avx512f,avx512vnni"))) void vnni(long n) {
+  __m512i x = _mm512_set1_epi8(3), w = _mm512_set1_epi8(5);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+          a9 = a0, a10 = a0, a11 = a0;
+  for (long i = 0; i < n; ++i) {
+    __asm__ volatile("" : "+v"(x), "+v"(w), "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+    a0 = _mm512_dpbusd_epi32(a0, x, w); a1 = _mm512_dpbusd_epi32(a1, x, w); a2 = _mm512_dpbusd_epi32(a2, x, w);
+    a3 = _mm512_dpbusd_epi32(a3, x, w); a4 = _mm512_dpbusd_epi32(a4, x, w); a5 = _mm512_dpbusd_epi32(a5, x, w);
+    a6 = _mm512_dpbusd_epi32(a6, x, w); a7 = _mm512_dpbusd_epi32(a7, x, w); a8 = _mm512_dpbusd_epi32(a8, x, w);
+    a9 = _mm512_dpbusd_epi32(a9, x, w); a10 = _mm512_dpbusd_epi32(a10, x, w); a11 = _mm512_dpbusd_epi32(a11, x, w);
+  }
+  const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+      _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)),
+                       _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11))));
+  if (_mm512_reduce_add_epi32(s) == 12345) std::puts("");
+}
+int main(int argc, char** argv) {
+  const long n = 20000000;
+  for (int threads = 1; threads <= 2; ++threads) {
+    double best_b = 1e9, best_v = 1e9;
+    for (int rep = 0; rep < 5; ++rep) {
+      best_b = std::min(best_b, run(threads, n, bf16));
+      best_v = std::min(best_v, run(threads, n, vnni));
+    }
+    std::printf("%d %.3f %.3f\n", threads, 12.0 * 32 * n * threads / best_b / 1e9, 12.0 * 64 * n * threads / best_v / 1e9);
+  }
+}
+"""
+
+# Multiply-adds of one prefilled token through the linears of each bench_e2e shape (q, k, v, o, gate, up, down per
+# layer; the head runs for the last token only): hidden * (q + 2 kv + q) + 3 hidden * intermediate, times layers.
+_PREFILL_MACS = {
+    "qwen2.5-1.5b": 28 * (1536 * (1536 + 2 * 256 + 1536) + 3 * 1536 * 8960),
+    "llama-3.2-1b": 16 * (2048 * (2048 + 2 * 512 + 2048) + 3 * 2048 * 8192),
+}
+
+
+def peak(args) -> None:
+    """The multiply-add roof of this CPU (1 and 2 threads) and the pp512 ceiling it puts on a kernel that spends all
+    its time multiplying: bf16 (the W4A16 kernel's vdpbf16ps) and int8 (the W4A8 kernel's vpdpbusd)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "peak.cpp", Path(d) / "peak"
+        src.write_text(_PEAK_SRC)
+        subprocess.run(["g++", "-O2", "-std=c++17", "-pthread", str(src), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    for line in out.split("\n"):
+        if not line.strip():
+            continue
+        threads, bf16, int8 = line.split()
+        print(f"{threads} thread(s): vdpbf16ps {float(bf16):.1f} GMAC/s, vpdpbusd {float(int8):.1f} GMAC/s")
+        for model, macs in _PREFILL_MACS.items():
+            print(f"  {model} linears ({macs / 1e9:.2f} GMAC a token): ceiling {float(bf16) * 1e9 / macs:.0f} tok/s "
+                  f"bf16, {float(int8) * 1e9 / macs:.0f} tok/s int8")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
-                                          "verify-cost", "pmd-map", "huge-pages"])
+                                          "verify-cost", "pmd-map", "huge-pages", "peak"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
@@ -248,7 +341,8 @@ def main() -> None:
     print(f"# {args.probe}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
-     "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages}[args.probe](args)
+     "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
+     "peak": peak}[args.probe](args)
 
 
 if __name__ == "__main__":
