@@ -239,58 +239,41 @@ _PEAK_SRC = r"""
 #include <immintrin.h>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <thread>
 #include <vector>
-template <class F> double run(int threads, long iters, F body) {
+// 12 independent accumulator chains per thread. The empty asm makes every value opaque each iteration: the compiler
+// can neither fold a chain into a + n * c nor merge equal chains into one (both happened without it).
+template <class A, class V, class F> double chains(int threads, long n, V x, V w, A zero, F step) {
+  auto body = [=] {
+    V xx = x, ww = w;
+    A a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero,
+      a8 = zero, a9 = zero, a10 = zero, a11 = zero;
+    for (long i = 0; i < n; ++i) {
+      __asm__ volatile("" : "+v"(xx), "+v"(ww), "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),
+                       "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+      a0 = step(a0, xx, ww); a1 = step(a1, xx, ww); a2 = step(a2, xx, ww); a3 = step(a3, xx, ww);
+      a4 = step(a4, xx, ww); a5 = step(a5, xx, ww); a6 = step(a6, xx, ww); a7 = step(a7, xx, ww);
+      a8 = step(a8, xx, ww); a9 = step(a9, xx, ww); a10 = step(a10, xx, ww); a11 = step(a11, xx, ww);
+    }
+    __asm__ volatile("" ::"v"(a0), "v"(a1), "v"(a2), "v"(a3), "v"(a4), "v"(a5), "v"(a6), "v"(a7), "v"(a8), "v"(a9),
+                     "v"(a10), "v"(a11));
+  };
   auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> ts;
-  for (int t = 0; t < threads; ++t) ts.emplace_back([&] { body(iters); });
+  for (int t = 0; t < threads; ++t) ts.emplace_back(body);
   for (auto& t : ts) t.join();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
-__attribute__((target("avx512f,avx512bf16"))) void bf16(long n) {
-  __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80), w = (__m512bh)_mm512_set1_epi32(0x3C003C00);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
-         a10 = a0, a11 = a0;
-  for (long i = 0; i < n; ++i) {  // 12 independent chains in registers (named: an array may live in memory)
-    // opaque values: the compiler can neither fold a chain into a + n * c nor merge equal chains into one
-    __asm__ volatile("" : "+v"(x), "+v"(w), "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
-                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-    a0 = _mm512_dpbf16_ps(a0, x, w); a1 = _mm512_dpbf16_ps(a1, x, w); a2 = _mm512_dpbf16_ps(a2, x, w);
-    a3 = _mm512_dpbf16_ps(a3, x, w); a4 = _mm512_dpbf16_ps(a4, x, w); a5 = _mm512_dpbf16_ps(a5, x, w);
-    a6 = _mm512_dpbf16_ps(a6, x, w); a7 = _mm512_dpbf16_ps(a7, x, w); a8 = _mm512_dpbf16_ps(a8, x, w);
-    a9 = _mm512_dpbf16_ps(a9, x, w); a10 = _mm512_dpbf16_ps(a10, x, w); a11 = _mm512_dpbf16_ps(a11, x, w);
-  }
-  const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
-                    _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
-  if (_mm512_reduce_add_ps(s) == 1.2345f) std::puts("");
-}
-__attribute__((target("avx512f,avx512vnni"))) void vnni(long n) {
-  __m512i x = _mm512_set1_epi8(3), w = _mm512_set1_epi8(5);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
-          a9 = a0, a10 = a0, a11 = a0;
-  for (long i = 0; i < n; ++i) {
-    __asm__ volatile("" : "+v"(x), "+v"(w), "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
-                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
-    a0 = _mm512_dpbusd_epi32(a0, x, w); a1 = _mm512_dpbusd_epi32(a1, x, w); a2 = _mm512_dpbusd_epi32(a2, x, w);
-    a3 = _mm512_dpbusd_epi32(a3, x, w); a4 = _mm512_dpbusd_epi32(a4, x, w); a5 = _mm512_dpbusd_epi32(a5, x, w);
-    a6 = _mm512_dpbusd_epi32(a6, x, w); a7 = _mm512_dpbusd_epi32(a7, x, w); a8 = _mm512_dpbusd_epi32(a8, x, w);
-    a9 = _mm512_dpbusd_epi32(a9, x, w); a10 = _mm512_dpbusd_epi32(a10, x, w); a11 = _mm512_dpbusd_epi32(a11, x, w);
-  }
-  const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
-      _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)),
-                       _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11))));
-  if (_mm512_reduce_add_epi32(s) == 12345) std::puts("");
-}
-int main(int argc, char** argv) {
+int main() {
   const long n = 20000000;
+  const auto bf16 = [](__m512 a, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(a, x, w); };
+  const auto vnni = [](__m512i a, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(a, x, w); };
+  const __m512bh bx = (__m512bh)_mm512_set1_epi32(0x3F803F80), bw = (__m512bh)_mm512_set1_epi32(0x3C003C00);
   for (int threads = 1; threads <= 2; ++threads) {
     double best_b = 1e9, best_v = 1e9;
     for (int rep = 0; rep < 5; ++rep) {
-      best_b = std::min(best_b, run(threads, n, bf16));
-      best_v = std::min(best_v, run(threads, n, vnni));
+      best_b = std::min(best_b, chains(threads, n, bx, bw, _mm512_setzero_ps(), bf16));
+      best_v = std::min(best_v, chains(threads, n, _mm512_set1_epi8(3), _mm512_set1_epi8(5), _mm512_setzero_si512(), vnni));
     }
     std::printf("%d %.3f %.3f\n", threads, 12.0 * 32 * n * threads / best_b / 1e9, 12.0 * 64 * n * threads / best_v / 1e9);
   }
@@ -310,10 +293,16 @@ def peak(args) -> None:
     its time multiplying: bf16 (the W4A16 kernel's vdpbf16ps) and int8 (the W4A8 kernel's vpdpbusd)."""
     import tempfile
 
+    from edgeq.cpu import flags
+
+    missing = {"avx512f", "avx512_bf16", "avx512_vnni"} - flags()
+    if missing:
+        raise SystemExit(f"peak measures AVX512-BF16 and AVX512-VNNI instructions; this CPU lacks {', '.join(sorted(missing))}")
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "peak.cpp", Path(d) / "peak"
         src.write_text(_PEAK_SRC)
-        subprocess.run(["g++", "-O2", "-std=c++17", "-pthread", str(src), "-o", str(exe)], check=True)
+        subprocess.run(["g++", "-O2", "-std=c++17", "-pthread", "-mavx512f", "-mavx512bf16", "-mavx512vnni", str(src),
+                        "-o", str(exe)], check=True)
         out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     for line in out.split("\n"):
         if not line.strip():
