@@ -3,6 +3,7 @@
     python benchmarks/quality_table.py                      # every edgeq arm; llama.cpp's when importable
     python benchmarks/quality_table.py --arms default,rtn-g128 --max-tokens 2000   # a quick look
     python benchmarks/quality_table.py --llama-sdist /tmp/llamadl/llama_cpp_python-0.3.36.tar.gz
+    python benchmarks/quality_table.py --model DIR --text DIR/heldout.txt   # another trained model (its held-out text)
 
 Every arm is scored by :func:`edgeq.fidelity.compare` against the same bf16 reference (``edgeq.runtime.load`` of
 edgeq/data/tiny-prose) on the same windows of the bundled held-out text (ctx 512, second half of each window
@@ -111,7 +112,8 @@ def edgeq_bytes(out: Path) -> int:
     return sum(math.prod(t["shape"]) * _ITEMSIZE[t["dtype"]] for t in tensors.values() if t["role"] in roles)
 
 
-def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> tuple[int, int, F.FidelityReport]:
+def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None, model: Path = FIXTURE,
+              text: str | None = None) -> tuple[int, int, F.FidelityReport]:
     """(counted bytes, bytes of the checkpoint's *.safetensors, report) of one edgeq arm."""
     scheme, method, recipe, embeddings, calib, head_levels = EDGEQ_ARMS[label]
     out = tmp / label
@@ -124,9 +126,9 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None) -> t
     extra = {"embeddings": embeddings} if embeddings else {}  # only then: runs on an edgeq without --embeddings too
     if head_levels:
         extra["head_levels"] = head_levels
-    convert(FIXTURE, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq, **extra)
+    convert(model, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq, **extra)
     files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    return edgeq_bytes(out), files, F.compare(ref, load(out), ctx=ctx, max_tokens=max_tokens)
+    return edgeq_bytes(out), files, F.compare(ref, load(out), text=text, ctx=ctx, max_tokens=max_tokens)
 
 
 # --------------------------------------------------------------------------------------------------- llama.cpp arms
@@ -235,24 +237,25 @@ class LlamaScorer:
         return torch.from_numpy(np.array(self.llm.scores[: len(tokens)], dtype=np.float32)).unsqueeze(0)
 
 
-def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None) -> tuple[list, dict]:
+def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None, model: Path = FIXTURE,
+               text: str | None = None) -> tuple[list, dict]:
     """llama.cpp's rows, and what made them (sdist hash, versions, the registered pre-tokenizer, a tokeniser check)."""
     import llama_cpp
 
     script = converter(sdist, tmp)
-    bf16 = tmp / "tiny-prose-bf16.gguf"
+    bf16 = tmp / f"{model.name}-bf16.gguf"
     info = {"sdist": str(sdist), "sdist_sha256": hashlib.sha256(sdist.read_bytes()).hexdigest(),
-            "llama_cpp_python": llama_cpp.__version__, **convert_bf16(script, FIXTURE, bf16)}
+            "llama_cpp_python": llama_cpp.__version__, **convert_bf16(script, model, bf16)}
     rows = []
     for ftype in ftypes:
-        path = bf16 if LLAMA_FTYPES[ftype] is None else tmp / f"tiny-prose-{ftype}.gguf"
+        path = bf16 if LLAMA_FTYPES[ftype] is None else tmp / f"{model.name}-{ftype}.gguf"
         if path != bf16:
             quantize_gguf(bf16, path, ftype)
         scorer = LlamaScorer(path, ctx)
         if "same_ids_as_edgeq" not in info:  # the GGUF's tokenizer only has to load; say whether it also agrees
-            text = DEFAULT_TEXT.read_text(encoding="utf-8")
-            info["same_ids_as_edgeq"] = scorer.llm.tokenize(text.encode(), add_bos=False) == encode(ref.tokenizer, text)
-        rep = F.compare(ref, scorer, tokenizer=ref.tokenizer, ctx=ctx, max_tokens=max_tokens)
+            probe = text if text is not None else DEFAULT_TEXT.read_text(encoding="utf-8")
+            info["same_ids_as_edgeq"] = scorer.llm.tokenize(probe.encode(), add_bos=False) == encode(ref.tokenizer, probe)
+        rep = F.compare(ref, scorer, tokenizer=ref.tokenizer, text=text, ctx=ctx, max_tokens=max_tokens)
         counted, per_type = gguf_bytes(path)
         print(f"  llama.cpp {ftype}: {counted} bytes counted ({per_type}), file {path.stat().st_size} bytes, "
               f"mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
@@ -285,6 +288,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=F.DEFAULT_CTX)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the raw reports here")
+    ap.add_argument("--model", type=Path, default=FIXTURE, help="the bf16 reference model [default: the bundled one]")
+    ap.add_argument("--text", type=Path, default=None, help="evaluation text [default: the bundled held-out text]")
     a = ap.parse_args(argv)
     arms = [x for x in a.arms.split(",") if x]
     unknown = [x for x in arms if x not in EDGEQ_ARMS]
@@ -293,13 +298,14 @@ def main(argv=None) -> None:
     ftypes = [x for x in a.llama.split(",") if x]
     if [x for x in ftypes if x not in LLAMA_FTYPES]:
         ap.error(f"unknown llama.cpp types in {ftypes}; valid: {', '.join(LLAMA_FTYPES)}")
-    ref = load(FIXTURE)
+    ref = load(a.model)
+    text = a.text.read_text(encoding="utf-8") if a.text else None
     rows, info, not_scored = [], None, {}
     with tempfile.TemporaryDirectory(prefix="edgeq-quality-") as td:
         tmp = Path(td)
         for label in arms:
             try:
-                nbytes, fbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens)
+                nbytes, fbytes, rep = edgeq_arm(label, tmp, ref, a.ctx, a.max_tokens, a.model, text)
             except EdgeqError as e:  # a packed-embedding arm on an edgeq that cannot write or load one yet
                 if EDGEQ_ARMS[label][3] in (None, "bf16"):
                     raise
@@ -310,7 +316,7 @@ def main(argv=None) -> None:
             rows.append((f"edgeq {label}", nbytes, fbytes, rep, {}))
         why = llama_available() if ftypes else "skipped (--llama '')"
         if why is None:
-            llama_rows, info = llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens)
+            llama_rows, info = llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens, a.model, text)
             rows += llama_rows
         else:
             print(f"llama.cpp arms not run: {why}", file=sys.stderr)
