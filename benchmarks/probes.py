@@ -12,6 +12,8 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py huge-pages CKPT [--passes 12]         # one token's linears: mapped vs anonymous copies
     python benchmarks/probes.py peak                                  # the multiply-add roof: vdpbf16ps / vpdpbusd
                                                                       #   per second, and the prefill ceilings it sets
+    python benchmarks/probes.py kernel-calls [--threads 1]            # native W4A16 us per call, L2-resident weights
+    python benchmarks/probes.py kernel-precision                      # native W4A16 vs aten and fp64 on outlier inputs
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -314,10 +316,63 @@ def peak(args) -> None:
                   f"bf16, {float(int8) * 1e9 / macs:.0f} tok/s int8")
 
 
+def kernel_calls(args) -> None:
+    """The native W4A16 kernel's time per call on L2-resident weights (768 x 1536: compute, not memory): best and
+    median of 9 runs of 300 calls, for M = 1 (g128, g32), 2 and 8. To compare two builds, run it in a checkout of
+    each, alternating (each checkout builds its own library)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernel import arm_fn, make_weights
+
+    for m, g in ((1, 128), (1, 32), (2, 128), (8, 128)):
+        (_, qw, sz), = make_weights([("w", 768, 1536)], g)
+        x = torch.randn(m, 1536).to(torch.bfloat16)
+        f = arm_fn("native", g)
+        for _ in range(100):
+            f(x, qw, sz)
+        ts = []
+        for _ in range(9):
+            t = time.perf_counter()
+            for _ in range(300):
+                f(x, qw, sz)
+            ts.append((time.perf_counter() - t) / 300 * 1e6)
+        ts.sort()
+        print(f"M = {m}, g{g}: best {ts[0]:.1f} us, median {ts[4]:.1f} us")
+
+
+def kernel_precision(args) -> None:
+    """The native W4A16 kernel against aten and the fp64 reference on its worst case for rounding (N = 512,
+    K = 4096, g128; activations of mean 1 with channels of 300 and -200): share of outputs that differ from aten's,
+    worst error in bf16 ulps of the reference, and the largest error relative to the tests' bound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from helpers.native import excess, problem
+
+    from edgeq.layouts import tinygemm
+    from edgeq.runtime import native
+
+    here = tinygemm.probe()
+    for m in (1, 4, 8):
+        _, qw, sz, _, _ = problem(m, 512, 4096, 128, seed=1, layout=here)
+        xf = torch.randn(m, 4096, generator=torch.Generator().manual_seed(2)) + 1.0
+        xf[:, 7], xf[:, 1000] = 300.0, -200.0
+        x = xf.to(torch.bfloat16)
+        wd = tinygemm.dequantize(tinygemm.unpack(qw, 512, 4096, here), sz, 128, dtype=torch.float64)
+        ref = x.double() @ wd.t()
+        bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+        ulp = (ref.abs().clamp_min(1e-30).log2().floor() - 7).exp2()
+        aten = tinygemm.mm(x, qw, 128, sz)
+        for isa in native.status()["cpu_isas"]:
+            y = native.int4_mm(x, qw, 128, sz, isa=isa)
+            print(f"M = {m}, {isa}: differ from aten {100 * float((y != aten).double().mean()):.2f}%, worst "
+                  f"{float(((y.double() - ref).abs() / ulp).max()):.1f} ulps (aten "
+                  f"{float(((aten.double() - ref).abs() / ulp).max()):.1f}), excess {excess(y, ref, bound):.3f} "
+                  f"(aten {excess(aten, ref, bound):.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
-                                          "verify-cost", "pmd-map", "huge-pages", "peak"])
+                                          "verify-cost", "pmd-map", "huge-pages", "peak", "kernel-calls",
+                                          "kernel-precision"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
@@ -331,7 +386,7 @@ def main() -> None:
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
      "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
-     "peak": peak}[args.probe](args)
+     "peak": peak, "kernel-calls": kernel_calls, "kernel-precision": kernel_precision}[args.probe](args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
 // activations stay bf16, the products are exact, the sums fp32. Per group, with D = sum x (128 + q):
 //     sum_k x w = scale * ((D - 128 xs) - 8 xs) + zero * xs = scale D + (zero - 136 scale) xs.
 // Precision: D carries the offset 128 xs, which the epilogue cancels, so D's fp32 rounding is ~8x larger relative to
-// the result than with the offset-1 encoding 1 + q/16 (which costs one more shift per vector: measured 6-8% slower
-// per call, docs/kernel.md "Arithmetic and precision"); still far inside the tests' tolerance (2**-14 of |x|.|w|).
+// the result than with the offset-1 encoding 1 + q/16 (which costs one more shift per vector: measured 5-10% slower
+// per call at M = 1, the same at M = 8; docs/kernel.md "Arithmetic and precision"); still far inside the tests'
+// tolerance (2**-14 of |x|.|w|).
 // Loops: group g (G k's) -> tile of activation rows (1..4 rows: all row vectors at once; 5..8: one 16-j vector at a
 // time) -> k pairs.
 // Re-reads of a group's bytes for the second v or tile come from L1 (G*S/2 bytes <= 8 KB); DRAM is read once.
