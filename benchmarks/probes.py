@@ -14,6 +14,8 @@ explain where time or memory goes; the comparisons the project claims come from 
                                                                       #   per second, and the prefill ceilings it sets
     python benchmarks/probes.py kernel-calls [--threads 1]            # native W4A16 us per call, L2-resident weights
     python benchmarks/probes.py kernel-precision                      # native W4A16 vs aten and fp64 on outlier inputs
+    python benchmarks/probes.py token-bytes CKPT [--gguf FILE]        # bytes a decoded token reads: edgeq vs GGUF
+    python benchmarks/probes.py gptq-time                             # GPTQ per matrix, --gptq-params search vs minmax
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -368,25 +370,80 @@ def kernel_precision(args) -> None:
                   f"(aten {excess(aten, ref, bound):.3f})")
 
 
+def token_bytes(args) -> None:
+    """Bytes one decoded token reads from the weights: every tensor of the checkpoint but the input embedding's own
+    tables (a lookup reads one row; a packed table's level 0 is the head, read whole, so it counts as the head; with
+    ``--head-levels 2`` the head reads the residual level too, and it counts), and
+    for a GGUF every tensor but ``token_embd`` when the file has an ``output`` head (tied: the table is the head)."""
+    import json
+    import struct
+
+    total, embed = 0, 0
+    for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            n = t["data_offsets"][1] - t["data_offsets"][0]
+            total += n
+            embed += n if "embed_tokens" in name else 0
+    manifest = json.loads((Path(args.checkpoint) / "edgeq_manifest.json").read_text())
+    if len(manifest.get("head", {}).get("levels") or []) > 1:  # --head-levels 2: the head reads the residual level
+        embed = 0
+    print(f"{args.checkpoint}: {(total - embed) / 1e6:.1f} MB a token ({total / 1e6:.1f} MB of tensors, "
+          f"{embed / 1e6:.1f} MB embedding tables not read whole)")
+    if args.gguf:
+        from gguf import GGUFReader
+
+        tensors = {t.name: int(t.n_bytes) for t in GGUFReader(args.gguf).tensors}
+        skip = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        print(f"{args.gguf}: {(sum(tensors.values()) - skip) / 1e6:.1f} MB a token "
+              f"({'untied: token_embd not counted' if skip else 'tied: token_embd is the head'})")
+
+
+def gptq_time(args) -> None:
+    """Seconds of one ``gptq_quantize`` call per group-parameter choice, on Qwen2.5-1.5B's gate_proj and down_proj
+    shapes (random weights, a Hessian from 2,048 random inputs, g128), and ``--method rtn`` of the same weight."""
+    from edgeq.quantize import rtn
+    from edgeq.quantize.gptq import GROUP_PARAMS, gptq_quantize
+
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((8960, 1536), (1536, 8960)):
+        w = torch.randn(n, k, generator=gen) * 0.02
+        x = torch.randn(2048, k, generator=gen)
+        h = 2 / 2048 * x.t() @ x
+        for how in GROUP_PARAMS:
+            t = time.perf_counter()
+            gptq_quantize(w, h, 128, group_params=how)
+            print(f"{n} x {k}: gptq {how} {time.perf_counter() - t:.1f} s")
+        t = time.perf_counter()
+        rtn.quantize_groups(w, 128, "rtn")
+        print(f"{n} x {k}: rtn {time.perf_counter() - t:.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
                                           "verify-cost", "pmd-map", "huge-pages", "peak", "kernel-calls",
-                                          "kernel-precision"])
+                                          "kernel-precision", "token-bytes", "gptq-time"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--cat", action="store_true", help="embedding-rss: read the files sequentially first")
     ap.add_argument("--passes", type=int, default=12, help="huge-pages: interleaved passes")
+    ap.add_argument("--gguf", default=None, help="token-bytes: a GGUF file to count too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages") and not args.checkpoint:
+    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages", "token-bytes") and \
+            not args.checkpoint:
         ap.error(f"{args.probe} needs CHECKPOINT")
     print(f"# {args.probe}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
      "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
-     "peak": peak, "kernel-calls": kernel_calls, "kernel-precision": kernel_precision}[args.probe](args)
+     "peak": peak, "kernel-calls": kernel_calls, "kernel-precision": kernel_precision, "token-bytes": token_bytes,
+     "gptq-time": gptq_time}[args.probe](args)
 
 
 if __name__ == "__main__":
