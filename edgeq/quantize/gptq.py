@@ -16,7 +16,7 @@ Choices made here (docs/gptq.md has the reasoning):
   ``"minmax"`` GPTQ's original ``scale = (max - min) / 15``, ``zero = min + 8 * scale``. Then
   ``q = clamp(round((w - zero) / scale) + 8, 0, 15)``, ``w_hat = (q - 8) * scale + zero`` in fp32. So q, with the
   stored bf16 parameters, dequantises bit for bit to the values whose error was propagated. Measured on the bundled
-  model (docs/gptq.md): "search" lowers the mean KLD of ``--method gptq`` by 15-17% (packed embeddings: 0.00360 ->
+  model (docs/gptq.md): "search" lowers the mean KLD of ``--method gptq`` by 15-17% (packed embeddings: 0.00359 ->
   0.00299; with ``--head-levels 2``: 0.00266 -> 0.00225); weighting the search by the Hessian diagonal (an
   imatrix-like importance) measured the same (0.00301 / 0.00226) and was not kept;
 - dampening ``damp * mean(diag(H))`` on the diagonal; if the Cholesky factorisations fail, fp64 at the same
@@ -127,13 +127,8 @@ def minmax_qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_qparams(w: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) fp32 [..., 1], bf16-valued, of the groups ``w [..., G]``: ``how`` one of :data:`GROUP_PARAMS`."""
-    if how == "minmax":
-        return minmax_qparams(w)
-    if w.dim() == 2:
-        s, z = rtn.choose_params(w.unsqueeze(1), "rtn")
-        return s[:, 0], z[:, 0]
-    return rtn.choose_params(w, "rtn")
+    """(scale, zero) fp32 [R, Gc, 1], bf16-valued, of the groups ``w`` [R, Gc, G]; ``how``: one of :data:`GROUP_PARAMS`."""
+    return minmax_qparams(w) if how == "minmax" else rtn.choose_params(w, "rtn")
 
 
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,8 +330,8 @@ def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inn
                     j = int(static_col_group[c])
                     scale, zero = scales[j], zeros[j]
                 elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
-                    s1, z1 = group_qparams(W[:, c : c + g], how)
-                    scale, zero = s1[:, 0], z1[:, 0]
+                    s1, z1 = group_qparams(W[:, c : c + g].unsqueeze(1), how)
+                    scale, zero = s1[:, 0, 0], z1[:, 0, 0]
                     scales[c // g], zeros[c // g] = scale, zero
                 col = W1[:, i]
                 qc, wc = quantize_values(col, scale, zero)
