@@ -45,9 +45,10 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 @dataclass(frozen=True)
 class GPTQOptions:
     """``--method gptq`` settings: calibration text (or ``"self"``: tokens sampled from the model, seeded), windows,
-    act-order, dampening, how each group's (scale, zero) are chosen (docs/gptq.md). ``nsamples`` / ``seqlen`` left as None take the source's defaults: 128 x 512
-    for a text; for ``self`` seqlen 256 and nsamples None, resolved from the model when sampling
-    (:func:`edgeq.convert.selfcal.default_nsamples`: 32, more for a widest Linear input above 2048)."""
+    act-order, dampening, how each group's (scale, zero) are chosen (docs/gptq.md). ``nsamples`` / ``seqlen`` left
+    as None take the source's defaults: 128 x 512 for a text; for ``self`` seqlen 256 and nsamples None, resolved
+    from the model when sampling (:func:`edgeq.convert.selfcal.default_nsamples`: 32, more for a widest Linear input
+    above 2048)."""
 
     calib: str = str(DEFAULT_CALIB)
     nsamples: int | None = None

@@ -127,7 +127,8 @@ def minmax_qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def group_qparams(w: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) fp32 [R, Gc, 1], bf16-valued, of the groups ``w`` [R, Gc, G]; ``how``: one of :data:`GROUP_PARAMS`."""
+    """(scale, zero) fp32 [R, Gc, 1], bf16-valued, of the groups ``w`` [R, Gc, G]; ``how``: one of
+    :data:`GROUP_PARAMS`."""
     return minmax_qparams(w) if how == "minmax" else rtn.choose_params(w, "rtn")
 
 
