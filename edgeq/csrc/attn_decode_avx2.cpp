@@ -154,6 +154,12 @@ const TileFn kTiles[6][2] = {{EDGEQ_TILES(1)}, {EDGEQ_TILES(2)}, {EDGEQ_TILES(3)
 
 }  // namespace
 
+}  // namespace edgeq_attn
+
+#include "attn_decode_tail.h"  // after the target pragma and the unit's softmax_row: AVX2 code
+
+namespace edgeq_attn {
+
 void task_avx2(const AttnArgs& a, int64_t task, float* scratch) {
   const int64_t D = a.D;
   if (D % 8 != 0) return task_scalar(a, task, scratch);
@@ -164,24 +170,15 @@ void task_avx2(const AttnArgs& a, int64_t task, float* scratch) {
   float* kf = qf + group * D;    // [8, D]: one key block in fp32
   for (int64_t i = 0; i < group * D; i += 8) _mm256_storeu_ps(qf + i, widen8(tv.q + i));
   scores(tv, D, a.scale, qf, kf, s, ss);
-  for (int64_t g = 0; g < group; ++g) {
-    float* pg = tv.part + g * os;
-    softmax_row(s + g * ss, n, pg, pg + 1);
-    std::memset(pg + 2, 0, D * sizeof(float));
-  }
-  // Head tiles of at most 6 (balanced: 7 -> 4 + 3), D in tiles of 2 pieces of 8 lanes (one when 8 is left).
-  const int64_t next_n = tv.t0 + n + a.chunk < a.end ? a.chunk : a.end - tv.t0 - n;  // the next chunk's keys
-  int64_t npf = next_n < n ? next_n : n;
-  const int64_t ntiles = (group + 5) / 6;
-  for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
-    const int64_t nh = group / ntiles + (ti < group % ntiles ? 1 : 0);
+  softmax_heads(tv, D, s, ss, [](float* row, int64_t len, float* m, float* l) { softmax_row(row, len, m, l); });
+  // D in tiles of 2 pieces of 8 lanes (one when 8 is left).
+  head_tiles(a, tv, [&](int64_t h0, int64_t nh, int64_t& npf) {
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       const int64_t np = D - d0 >= 16 ? 2 : 1;
       kTiles[nh - 1][np - 1](s + h0 * ss, ss, tv.v + d0, n, D, tv.part + h0 * os + 2 + d0, os, tv.k + n * D, npf);
       npf = 0;
     }
-    h0 += nh;
-  }
+  });
 }
 
 }  // namespace edgeq_attn

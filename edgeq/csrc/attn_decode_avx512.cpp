@@ -173,6 +173,12 @@ const TileFn kTiles[6][4] = {{EDGEQ_TILES(1)}, {EDGEQ_TILES(2)}, {EDGEQ_TILES(3)
 
 }  // namespace
 
+}  // namespace edgeq_attn
+
+#include "attn_decode_tail.h"  // after the target pragma and the unit's softmax_row: AVX512 code
+
+namespace edgeq_attn {
+
 void task_avx512(const AttnArgs& a, int64_t task, float* scratch) {
   const TaskView tv = task_view(a, task);
   const int64_t D = a.D, group = tv.group, n = tv.n, ss = a.chunk, os = 2 + D;
@@ -181,17 +187,9 @@ void task_avx512(const AttnArgs& a, int64_t task, float* scratch) {
   if (D == 128) scores<128>(tv, D, a.scale, s, ss, pad);
   else if (D == 64) scores<64>(tv, D, a.scale, s, ss, pad);
   else scores<0>(tv, D, a.scale, s, ss, pad);
-  for (int64_t g = 0; g < group; ++g) {
-    float* pg = tv.part + g * os;
-    softmax_row(s + g * ss, n, pg, pg + 1);
-    std::memset(pg + 2, 0, D * sizeof(float));
-  }
-  // Head tiles of at most 6 (balanced: 7 -> 4 + 3), D in tiles of 4 pieces of 16 lanes (the last piece masked).
-  const int64_t next_n = tv.t0 + n + a.chunk < a.end ? a.chunk : a.end - tv.t0 - n;  // the next chunk's keys
-  int64_t npf = next_n < n ? next_n : n;
-  const int64_t ntiles = (group + 5) / 6;
-  for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
-    const int64_t nh = group / ntiles + (ti < group % ntiles ? 1 : 0);
+  softmax_heads(tv, D, s, ss, [](float* row, int64_t len, float* m, float* l) { softmax_row(row, len, m, l); });
+  // D in tiles of 4 pieces of 16 lanes (the last piece masked).
+  head_tiles(a, tv, [&](int64_t h0, int64_t nh, int64_t& npf) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       const int64_t left = D - d0, np = left >= 64 ? 4 : (left + 15) / 16, tail = left - 16 * (np - 1);
       const __mmask16 last = tail >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tail) - 1);
@@ -199,8 +197,7 @@ void task_avx512(const AttnArgs& a, int64_t task, float* scratch) {
                              npf);
       npf = 0;
     }
-    h0 += nh;
-  }
+  });
 }
 
 }  // namespace edgeq_attn
