@@ -35,16 +35,21 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
-def _median_us(f, n: int = 200) -> float:
-    for _ in range(20):
+def _call_times_us(f, runs: int, calls: int, warmup: int) -> list[float]:
+    """Microseconds per call of ``f()`` in each of ``runs`` timed runs of ``calls`` calls, after ``warmup``; sorted."""
+    for _ in range(warmup):
         f()
     ts = []
-    for _ in range(5):
+    for _ in range(runs):
         t = time.perf_counter()
-        for _ in range(n // 5):
+        for _ in range(calls):
             f()
-        ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
-    return sorted(ts)[2]
+        ts.append((time.perf_counter() - t) / calls * 1e6)
+    return sorted(ts)
+
+
+def _median_us(f, n: int = 200) -> float:
+    return _call_times_us(f, 5, n // 5, 20)[2]
 
 
 def profile_prefill(args) -> None:
@@ -329,15 +334,7 @@ def kernel_calls(args) -> None:
         (_, qw, sz), = make_weights([("w", 768, 1536)], g)
         x = torch.randn(m, 1536).to(torch.bfloat16)
         f = arm_fn("native", g)
-        for _ in range(100):
-            f(x, qw, sz)
-        ts = []
-        for _ in range(9):
-            t = time.perf_counter()
-            for _ in range(300):
-                f(x, qw, sz)
-            ts.append((time.perf_counter() - t) / 300 * 1e6)
-        ts.sort()
+        ts = _call_times_us(lambda: f(x, qw, sz), 9, 300, 100)
         print(f"M = {m}, g{g}: best {ts[0]:.1f} us, median {ts[4]:.1f} us")
 
 
@@ -346,20 +343,14 @@ def kernel_precision(args) -> None:
     K = 4096, g128; activations of mean 1 with channels of 300 and -200): share of outputs that differ from aten's,
     worst error in bf16 ulps of the reference, and the largest error relative to the tests' bound."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from helpers.native import excess, problem
+    from helpers.native import excess, outlier_activations, problem
 
     from edgeq.layouts import tinygemm
     from edgeq.runtime import native
 
     here = tinygemm.probe()
-    for m in (1, 4, 8):
-        _, qw, sz, _, _ = problem(m, 512, 4096, 128, seed=1, layout=here)
-        xf = torch.randn(m, 4096, generator=torch.Generator().manual_seed(2)) + 1.0
-        xf[:, 7], xf[:, 1000] = 300.0, -200.0
-        x = xf.to(torch.bfloat16)
-        wd = tinygemm.dequantize(tinygemm.unpack(qw, 512, 4096, here), sz, 128, dtype=torch.float64)
-        ref = x.double() @ wd.t()
-        bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+    for m in (1, 4, 8):  # the problem of test_native.py's test_offset_encoding_within_tolerance_on_outlier_activations
+        x, qw, sz, ref, bound = problem(m, 512, 4096, 128, seed=1, layout=here, x=outlier_activations(m, 4096))
         ulp = (ref.abs().clamp_min(1e-30).log2().floor() - 7).exp2()
         aten = tinygemm.mm(x, qw, 128, sz)
         for isa in native.status()["cpu_isas"]:

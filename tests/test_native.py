@@ -25,7 +25,7 @@ from edgeq import env
 from edgeq.cli.native import native_command
 from edgeq.runtime import native
 from edgeq.runtime.native import w4a16
-from helpers.native import excess, halves, make_layout, problem
+from helpers.native import excess, halves, make_layout, outlier_activations, problem
 
 # (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
 CASES = [
@@ -102,14 +102,7 @@ def test_offset_encoding_within_tolerance_on_outlier_activations(ready, here):
     large mean and outlier channels (post-norm hidden states). Within the stated tolerance, and the same bf16 output
     as aten on >= 98% of outputs (measured 99.3-99.6% on this problem; the offset-1 encoding 99.95%)."""
     for m in (1, 8):
-        x, qw, sz, _, _ = problem(m, 512, 4096, 128, seed=1, layout=here)
-        gen = torch.Generator().manual_seed(2)
-        xf = torch.randn(m, 4096, generator=gen) + 1.0
-        xf[:, 7], xf[:, 1000] = 300.0, -200.0
-        x = xf.to(torch.bfloat16)
-        wd = tinygemm.dequantize(tinygemm.unpack(qw, 512, 4096, here), sz, 128, dtype=torch.float64)
-        ref = x.double() @ wd.t()
-        bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
+        x, qw, sz, ref, bound = problem(m, 512, 4096, 128, seed=1, layout=here, x=outlier_activations(m, 4096))
         aten = tinygemm.mm(x, qw, 128, sz)
         for isa in ready["cpu_isas"]:
             y = native.int4_mm(x, qw, 128, sz, isa=isa)
@@ -202,7 +195,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {tests!r})
-    from helpers.native import excess, halves, make_layout, problem
+    from helpers.native import excess, halves, make_layout, outlier_activations, problem
     from edgeq.runtime import native
     out = {{"available": native.available(), "status": native.status(), "excess": 0.0}}
     layout = make_layout(64, halves(64))

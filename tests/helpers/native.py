@@ -24,8 +24,17 @@ def make_layout(block_n: int, full: tuple, tails: str = "adjacent") -> tinygemm.
     return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple(sorted(perms.items())))
 
 
-def problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.TinygemmLayout):
-    """Weights quantised from a random matrix by per-group min/max (realistic scales/zeros), packed in ``layout``."""
+def outlier_activations(m: int, k: int) -> torch.Tensor:
+    """bf16 [m, k] activations of mean 1 with channels 7 and 1000 at 300 and -200 (post-norm hidden states): the
+    worst case for a kernel that sums x * (offset + q) and cancels offset * sum(x) per group."""
+    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) + 1.0
+    xf[:, 7], xf[:, 1000] = 300.0, -200.0
+    return xf.to(torch.bfloat16)
+
+
+def problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.TinygemmLayout, x: torch.Tensor | None = None):
+    """Weights quantised from a random matrix by per-group min/max (realistic scales/zeros), packed in ``layout``;
+    activations random bf16 unless ``x`` [m, k] is given."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.02
     wg = w.reshape(n, k // g, g)
@@ -33,7 +42,7 @@ def problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.Tinygemm
     scale = (hi - lo).clamp(min=1e-6) / 15
     q = ((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
     sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16) if x is None else x
     wd = tinygemm.dequantize(q, sz, g, dtype=torch.float64)
     ref = x.double() @ wd.t()
     bound = 2.0**-8 * ref.abs() + 2.0**-14 * (x.double().abs() @ wd.abs().t())
