@@ -17,9 +17,9 @@ ISA paths, chosen once per process from the CPU flags (``EDGEQ_NATIVE_ISA`` over
 
 - ``amx``: the avx512 set plus AMX-TILE/AMX-BF16 granted by Linux: ``tdpbf16ps`` tiles for M >= 2 (M = 1 runs the
   avx512 code).
-- ``avx512``: AVX512 F/BW/VL/VBMI/BF16 (Sapphire Rapids, Zen 4). Weights become bf16 ``128 + q`` (exact; AMX tiles ``1 + q/16``) and are
-  multiplied with the bf16 activations by ``vdpbf16ps`` into fp32 accumulators: exact products, fp32 sums. The
-  activations are never quantised.
+- ``avx512``: AVX512 F/BW/VL/VBMI/BF16 (Sapphire Rapids, Zen 4). Weights become bf16 ``128 + q`` (exact; AMX
+  tiles ``1 + q/16``) and are multiplied with the bf16 activations by ``vdpbf16ps`` into fp32 accumulators: exact
+  products, fp32 sums. The activations are never quantised.
 - ``avx2``: AVX2 + FMA: q converted to fp32, fp32 FMA with the fp32 activations.
 - ``scalar``: portable C++, any supported block; also the path for blocks the SIMD paths do not specialise (tails,
   adjacent full blocks).
