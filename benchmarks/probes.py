@@ -366,21 +366,13 @@ def token_bytes(args) -> None:
     tables (a lookup reads one row; a packed table's level 0 is the head, read whole, so it counts as the head; with
     ``--head-levels 2`` the head reads the residual level too, and it counts), and
     for a GGUF every tensor but ``token_embd`` when the file has an ``output`` head (tied: the table is the head)."""
-    import json
-    import struct
+    from edgeq.io.manifest import read_manifest
+    from edgeq.io.safetensors import parse_header
 
-    total, embed = 0, 0
-    for f in sorted(Path(args.checkpoint).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            n = t["data_offsets"][1] - t["data_offsets"][0]
-            total += n
-            embed += n if "embed_tokens" in name else 0
-    manifest = json.loads((Path(args.checkpoint) / "edgeq_manifest.json").read_text())
-    if len(manifest.get("head", {}).get("levels") or []) > 1:  # --head-levels 2: the head reads the residual level
+    tensors = [t for f in sorted(Path(args.checkpoint).glob("*.safetensors")) for t in parse_header(f).tensors.values()]
+    total = sum(t.nbytes for t in tensors)
+    embed = sum(t.nbytes for t in tensors if "embed_tokens" in t.name)
+    if len(read_manifest(Path(args.checkpoint)).head_levels) > 1:  # --head-levels 2: the head reads the residual level
         embed = 0
     print(f"{args.checkpoint}: {(total - embed) / 1e6:.1f} MB a token ({total / 1e6:.1f} MB of tensors, "
           f"{embed / 1e6:.1f} MB embedding tables not read whole)")
