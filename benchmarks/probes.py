@@ -13,6 +13,7 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py peak                                  # the multiply-add roof: vdpbf16ps / vpdpbusd
                                                                       #   per second, and the prefill ceilings it sets
     python benchmarks/probes.py kernel-calls [--threads 1]            # native W4A16 us per call, L2-resident weights
+    python benchmarks/probes.py prefill-calls [--prompt 512]          # native W4A16 ms per call at prefill sizes, each tile kind
     python benchmarks/probes.py kernel-precision                      # native W4A16 vs aten and fp64 on outlier inputs
     python benchmarks/probes.py token-bytes CKPT [--gguf FILE]        # bytes a decoded token reads: edgeq vs GGUF
     python benchmarks/probes.py gptq-time                             # GPTQ per matrix, --gptq-params search vs minmax
@@ -243,8 +244,9 @@ def huge_pages(args) -> None:
     print(f"checkpoint mapping: Rss {r.rss_bytes >> 20} MiB, of which PMD-mapped {r.pmd_mapped_bytes >> 20} MiB")
 
 _PEAK_SRC = r"""
-// Register-only loops of independent vdpbf16ps (bf16 pairs -> fp32, 32 multiply-adds per 512-bit instruction) and
-// vpdpbusd (u8 x s8 quads -> s32, 64 per instruction): the most multiply-adds a core retires, no memory traffic.
+// Register-only loops of independent vdpbf16ps (bf16 pairs -> fp32, 32 multiply-adds per 512-bit instruction),
+// vpdpbusd (u8 x s8 quads -> s32, 64 per instruction) and vfmadd231ps (fp32, 16 per instruction): the most
+// multiply-adds a core retires, no memory traffic.
 #include <immintrin.h>
 #include <chrono>
 #include <cstdio>
@@ -277,14 +279,17 @@ int main() {
   const long n = 20000000;
   const auto bf16 = [](__m512 a, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(a, x, w); };
   const auto vnni = [](__m512i a, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(a, x, w); };
+  const auto fma = [](__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, a); };
   const __m512bh bx = (__m512bh)_mm512_set1_epi32(0x3F803F80), bw = (__m512bh)_mm512_set1_epi32(0x3C003C00);
   for (int threads = 1; threads <= 2; ++threads) {
-    double best_b = 1e9, best_v = 1e9;
+    double best_b = 1e9, best_v = 1e9, best_f = 1e9;
     for (int rep = 0; rep < 5; ++rep) {
       best_b = std::min(best_b, chains(threads, n, bx, bw, _mm512_setzero_ps(), bf16));
       best_v = std::min(best_v, chains(threads, n, _mm512_set1_epi8(3), _mm512_set1_epi8(5), _mm512_setzero_si512(), vnni));
+      best_f = std::min(best_f, chains(threads, n, _mm512_set1_ps(1e-3f), _mm512_set1_ps(0.5f), _mm512_setzero_ps(), fma));
     }
-    std::printf("%d %.3f %.3f\n", threads, 12.0 * 32 * n * threads / best_b / 1e9, 12.0 * 64 * n * threads / best_v / 1e9);
+    std::printf("%d %.3f %.3f %.3f\n", threads, 12.0 * 32 * n * threads / best_b / 1e9,
+                12.0 * 64 * n * threads / best_v / 1e9, 12.0 * 16 * n * threads / best_f / 1e9);
   }
 }
 """
@@ -299,7 +304,8 @@ _PREFILL_MACS = {
 
 def peak(args) -> None:
     """The multiply-add roof of this CPU (1 and 2 threads) and the pp512 ceiling it puts on a kernel that spends all
-    its time multiplying: bf16 (the W4A16 kernel's vdpbf16ps) and int8 (the W4A8 kernel's vpdpbusd)."""
+    its time multiplying: bf16 pairs (the W4A16 kernel's vdpbf16ps tiles), fp32 (its fp32 tiles' vfmadd231ps) and
+    int8 (the W4A8 kernel's vpdpbusd)."""
     import tempfile
 
     from edgeq.cpu import flags
@@ -316,11 +322,12 @@ def peak(args) -> None:
     for line in out.split("\n"):
         if not line.strip():
             continue
-        threads, bf16, int8 = line.split()
-        print(f"{threads} thread(s): vdpbf16ps {float(bf16):.1f} GMAC/s, vpdpbusd {float(int8):.1f} GMAC/s")
+        threads, bf16, int8, f32 = (float(v) if i else v for i, v in enumerate(line.split()))
+        print(f"{threads} thread(s): vdpbf16ps {bf16:.1f} GMAC/s, vpdpbusd {int8:.1f} GMAC/s, vfmadd231ps {f32:.1f} "
+              f"GMAC/s")
         for model, macs in _PREFILL_MACS.items():
-            print(f"  {model} linears ({macs / 1e9:.2f} GMAC a token): ceiling {float(bf16) * 1e9 / macs:.0f} tok/s "
-                  f"bf16, {float(int8) * 1e9 / macs:.0f} tok/s int8")
+            print(f"  {model} linears ({macs / 1e9:.2f} GMAC a token): ceiling {bf16 * 1e9 / macs:.0f} tok/s bf16 "
+                  f"pairs, {f32 * 1e9 / macs:.0f} tok/s fp32, {int8 * 1e9 / macs:.0f} tok/s int8")
 
 
 def kernel_calls(args) -> None:
@@ -336,6 +343,34 @@ def kernel_calls(args) -> None:
         f = arm_fn("native", g)
         ts = _call_times_us(lambda: f(x, qw, sz), 9, 300, 100)
         print(f"M = {m}, g{g}: best {ts[0]:.1f} us, median {ts[4]:.1f} us")
+
+
+def prefill_calls(args) -> None:
+    """The native W4A16 kernel at prefill sizes, each kind of the avx512 path's M > 8 tiles (bf16 pairs, fp32) and
+    the aten op: ms per call (median of 5 runs of 2 calls, the arms interleaved run by run, and the best) and GMAC/s
+    for the Qwen2.5-1.5B MLP shapes (gate/up 8960 x 1536, down 1536 x 8960, g128) at M = 64 and --prompt (512)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernel import make_weights
+
+    from edgeq.layouts import tinygemm
+    from edgeq.runtime import native
+
+    print(f"measured choice here: {native.prefill_tiles()} tiles")
+    arms = {"bf16 tiles": lambda x, qw, sz: native.int4_mm(x, qw, 128, sz, isa="avx512", prefill="bf16"),
+            "fp32 tiles": lambda x, qw, sz: native.int4_mm(x, qw, 128, sz, isa="avx512", prefill="fp32"),
+            "aten": lambda x, qw, sz: tinygemm.mm(x, qw, 128, sz)}
+    for n, k in ((8960, 1536), (1536, 8960)):
+        (_, qw, sz), = make_weights([("w", n, k)], 128)
+        for m in (64, args.prompt):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            times = {a: [] for a in arms}
+            for _ in range(5):
+                for a, f in arms.items():
+                    times[a] += _call_times_us(lambda f=f: f(x, qw, sz), 1, 2, 1)
+            for a, ts in times.items():
+                ts.sort()
+                print(f"{n} x {k}, M = {m}, {a}: median {ts[2] / 1e3:.2f} ms [best {ts[0] / 1e3:.2f}] "
+                      f"({m * n * k / ts[2] / 1e3:.1f} GMAC/s)")
 
 
 def kernel_precision(args) -> None:
@@ -409,7 +444,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
                                           "verify-cost", "pmd-map", "huge-pages", "peak", "kernel-calls",
-                                          "kernel-precision", "token-bytes", "gptq-time"])
+                                          "prefill-calls", "kernel-precision", "token-bytes", "gptq-time"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
@@ -425,7 +460,8 @@ def main() -> None:
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
      "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
-     "peak": peak, "kernel-calls": kernel_calls, "kernel-precision": kernel_precision, "token-bytes": token_bytes,
+     "peak": peak, "kernel-calls": kernel_calls, "prefill-calls": prefill_calls,
+     "kernel-precision": kernel_precision, "token-bytes": token_bytes,
      "gptq-time": gptq_time}[args.probe](args)
 
 

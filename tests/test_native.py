@@ -61,6 +61,11 @@ def ready():
     return st
 
 
+def paths(ready):
+    """(isa, prefill tiles) for every path this CPU runs: the avx512 path with each kind of M > 8 tiles."""
+    return [(isa, t) for isa in ready["cpu_isas"] for t in (("bf16", "fp32") if isa == "avx512" else (None,))]
+
+
 @pytest.fixture(scope="session")
 def here():
     return tinygemm.probe()
@@ -77,12 +82,12 @@ def test_matches_aten_and_reference(ready, here, case):
     x, qw, sz, ref, bound = problem(m, n, k, g, seed=n + k + g + m, layout=here)
     aten = tinygemm.mm(x, qw, g, sz)
     assert excess(aten, ref, bound) <= 1.0  # the tolerance is one aten meets
-    for isa in ready["cpu_isas"]:
-        y = native.int4_mm(x, qw, g, sz, isa=isa)
+    for isa, tiles in paths(ready):
+        y = native.int4_mm(x, qw, g, sz, isa=isa, prefill=tiles)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        assert excess(y, ref, bound) <= 1.0, isa
+        assert excess(y, ref, bound) <= 1.0, (isa, tiles)
         # Same rounding as aten almost everywhere: a systematic slip (a wrong zero, an off-by-one nibble) moves many.
-        assert float((y != aten).double().mean()) <= 0.05, isa
+        assert float((y != aten).double().mean()) <= 0.05, (isa, tiles)
 
 
 @pytest.mark.parametrize(
@@ -101,13 +106,13 @@ def test_offset_encoding_within_tolerance_on_outlier_activations(ready, here):
     """The avx512 path sums x * (128 + q) and cancels 128 * sum(x) per group: its worst case is activations with a
     large mean and outlier channels (post-norm hidden states). Within the stated tolerance, and the same bf16 output
     as aten on >= 98% of outputs (measured 99.3-99.6% on this problem; the offset-1 encoding 99.95%)."""
-    for m in (1, 8):
+    for m in (1, 8, 20):
         x, qw, sz, ref, bound = problem(m, 512, 4096, 128, seed=1, layout=here, x=outlier_activations(m, 4096))
         aten = tinygemm.mm(x, qw, 128, sz)
-        for isa in ready["cpu_isas"]:
-            y = native.int4_mm(x, qw, 128, sz, isa=isa)
-            assert excess(y, ref, bound) <= 1.0, (m, isa)
-            assert float((y != aten).double().mean()) <= 0.02, (m, isa)
+        for isa, tiles in paths(ready):
+            y = native.int4_mm(x, qw, 128, sz, isa=isa, prefill=tiles)
+            assert excess(y, ref, bound) <= 1.0, (m, isa, tiles)
+            assert float((y != aten).double().mean()) <= 0.02, (m, isa, tiles)
 
 
 def test_isa_paths_agree_closely(ready, here):
@@ -118,15 +123,45 @@ def test_isa_paths_agree_closely(ready, here):
         assert float((y != ys["scalar"]).double().mean()) <= 0.02, isa
 
 
-def test_amx_prefill_rows_equal_decode_rows(ready, here):
-    """The M > 16 AMX path (groups decoded once, x padded to 16-row tiles) computes each row exactly as the M <= 16
-    path does (AMX rows are independent): a 37-row call equals its rows computed 8 and 5 at a time, bit for bit."""
-    if "amx" not in ready["cpu_isas"]:
-        pytest.skip("no AMX here")
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "scalar"])
+def test_prefill_rows_equal_decode_rows(ready, here, isa):
+    """Each path computes a row of a many-row call exactly as a call of up to 8 rows does: AMX rows are independent
+    (its M > 16 path decodes each group once, x padded to 16-row tiles), and the avx512 path's bf16 tiles run the
+    same 8- or 5-row tile for all groups before the next tile (its loop order for M > 8). A 37-row call equals its
+    rows computed 8 and 5 at a time, bit for bit."""
+    if isa not in ready["cpu_isas"]:
+        pytest.skip(f"no {isa} here")
+    tiles = "bf16" if isa == "avx512" else None
     x, qw, sz, _, _ = problem(37, 256 + 64, 768, 128, seed=5, layout=here)
-    big = native.int4_mm(x, qw, 128, sz, isa="amx")
-    parts = torch.cat([native.int4_mm(x[i : i + 8], qw, 128, sz, isa="amx") for i in range(0, 37, 8)])
+    big = native.int4_mm(x, qw, 128, sz, isa=isa, prefill=tiles)
+    parts = torch.cat([native.int4_mm(x[i : i + 8], qw, 128, sz, isa=isa, prefill=tiles) for i in range(0, 37, 8)])
     assert torch.equal(big, parts)
+
+
+def test_fp32_prefill_rows_do_not_depend_on_the_split(ready, here):
+    """The avx512 path's fp32 tiles (M > 8) sum each row on its own, in k order: a 37-row call equals calls of 9, 12
+    and 16 rows (each > 8, so each takes the fp32 tiles), bit for bit; and it agrees with the bf16 tiles within the
+    tolerance on almost every output (they round differently: products exact in both, sums in another order)."""
+    if "avx512" not in ready["cpu_isas"]:
+        pytest.skip("no avx512 here")
+    x, qw, sz, ref, bound = problem(37, 256 + 64, 768, 128, seed=5, layout=here)
+    big = native.int4_mm(x, qw, 128, sz, isa="avx512", prefill="fp32")
+    parts = torch.cat([native.int4_mm(x[a:b], qw, 128, sz, isa="avx512", prefill="fp32")
+                       for a, b in ((0, 9), (9, 21), (21, 37))])
+    assert torch.equal(big, parts)
+    assert excess(big, ref, bound) <= 1.0
+    bf16 = native.int4_mm(x, qw, 128, sz, isa="avx512", prefill="bf16")
+    assert float((big != bf16).double().mean()) <= 0.02
+
+
+def test_prefill_tiles_measured_and_bad_kind_refused(ready):
+    """The process's choice is one of the two kinds (measured: which one depends on the CPU), and a kind that does not
+    exist is an EdgeqError naming it."""
+    assert native.prefill_tiles() in (("bf16", "fp32") if "avx512" in ready["cpu_isas"] else (None,))
+    x = torch.zeros(9, 256, dtype=torch.bfloat16)
+    qw, sz = torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.bfloat16)
+    with pytest.raises(EdgeqError, match="prefill='int8' is not one of bf16, fp32"):
+        native.int4_mm(x, qw, 128, sz, prefill="int8")
 
 
 def test_threads_do_not_change_bits(ready, here):

@@ -29,6 +29,8 @@ def native_command(as_json: bool = False) -> None:
         built = f"built in {secs} s" if st["built_now"] else f"loaded in {secs} s (cached)"
         line(f"native kernel: available, isa {st['isa']} ({st['reason']}); CPU paths: {', '.join(st['cpu_isas'])}")
         line(f"  {built}: {st['library']}")
+        if st["prefill_tiles"]:
+            line(f"  prefill (M > 8) on the avx512 path: {st['prefill_tiles']} tiles (measured faster here)")
     else:
         line(f"native kernel: not available ({st['reason']}); decode uses aten._weight_int4pack_mm_for_cpu")
     if w8["available"]:

@@ -30,6 +30,9 @@ struct Int4Args {
   const uint16_t* sz;  // bf16 bits [K/G, N, 2]: (scale, zero)
   uint16_t* y;         // bf16 bits [M, N]
   int64_t M, N, K, G;
+  // avx512 path only: the fp32-FMA tiles instead of the bf16-pair ones (int4mm_avx512.cpp; the op sets it for M > 8
+  // when measured faster here, or when asked).
+  bool f32_prefill = false;
 };
 
 // Software prefetch distance for the weight stream, in bytes (measured: 4-16 KB all ~1.4x better than none at M=1 on

@@ -14,9 +14,10 @@
 // the result than with the offset-1 encoding 1 + q/16 (which costs one more shift per vector: measured 5-10% slower
 // per call at M = 1, the same at M = 8; docs/kernel.md "Arithmetic and precision"); still far inside the tests'
 // tolerance (2**-14 of |x|.|w|).
-// Loops: group g (G k's) -> tile of activation rows (1..4 rows: all row vectors at once; 5..8: one 16-j vector at a
-// time) -> k pairs.
-// Re-reads of a group's bytes for the second v or tile come from L1 (G*S/2 bytes <= 8 KB); DRAM is read once.
+// Loops: tile of activation rows (1..4 rows: all row vectors at once; 5..8: one 16-j vector at a time) -> group g
+// (G k's) -> k pairs.
+// Re-reads of a group's bytes for the second v come from L1 (G*S/2 bytes <= 8 KB), for the next row tile (M > 8) from
+// L2 (the block's K*S/2 bytes: 48 KB at K = 1536, 280 KB at K = 8960); DRAM is read once.
 #include <immintrin.h>
 
 #include <cstring>
@@ -95,42 +96,130 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const 
     }
 }
 
-// Tiling: about 8+ independent accumulator chains and at most 16 accumulator registers.
+// Tiling: about 8+ independent accumulator chains and at most 16 accumulator registers. Activation rows go in tiles
+// of 1..4 rows (all row vectors at once) or 5..8 rows (one row vector per pass): tile_rows(M - m0) rows at m0.
+inline int64_t tile_rows(int64_t rest) { return rest >= 8 ? 8 : rest; }
+
+// One group g of the block for the activation rows m0 .. m0+mt-1 (mt = tile_rows(M - m0)).
 template <int S>
-void group_rows(const Int4Args& a, int64_t row0, int64_t g, const __m512i* idx, float* ys) {
+void group_tile(const Int4Args& a, int64_t row0, int64_t g, int64_t m0, int64_t mt, const __m512i* idx, float* ys) {
   constexpr int NV = S / 32;
-  for (int64_t m0 = 0; m0 < a.M;) {
-    const int64_t rest = a.M - m0;
-    if (rest >= 5) {  // 5..8 rows: one row vector per pass
-      const int mt = rest >= 8 ? 8 : static_cast<int>(rest);
-      for (int v = 0; v < NV; ++v) {
-        switch (mt) {
-          case 5: tile<S, 5, 1, 1>(a, row0, g, v, m0, idx, ys); break;
-          case 6: tile<S, 6, 1, 1>(a, row0, g, v, m0, idx, ys); break;
-          case 7: tile<S, 7, 1, 1>(a, row0, g, v, m0, idx, ys); break;
-          default: tile<S, 8, 1, 1>(a, row0, g, v, m0, idx, ys); break;
-        }
+  if (mt >= 5) {
+    for (int v = 0; v < NV; ++v) {
+      switch (mt) {
+        case 5: tile<S, 5, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+        case 6: tile<S, 6, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+        case 7: tile<S, 7, 1, 1>(a, row0, g, v, m0, idx, ys); break;
+        default: tile<S, 8, 1, 1>(a, row0, g, v, m0, idx, ys); break;
       }
-      m0 += mt;
-      continue;
     }
-    switch (rest) {
-      case 1: tile<S, 1, NV, 8 / (2 * NV)>(a, row0, g, 0, m0, idx, ys); break;
-      case 2: tile<S, 2, NV, (NV == 1 ? 2 : 1)>(a, row0, g, 0, m0, idx, ys); break;
-      case 3: tile<S, 3, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
-      default: tile<S, 4, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
-    }
-    m0 += rest;
+    return;
+  }
+  switch (mt) {
+    case 1: tile<S, 1, NV, 8 / (2 * NV)>(a, row0, g, 0, m0, idx, ys); break;
+    case 2: tile<S, 2, NV, (NV == 1 ? 2 : 1)>(a, row0, g, 0, m0, idx, ys); break;
+    case 3: tile<S, 3, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
+    default: tile<S, 4, NV, 1>(a, row0, g, 0, m0, idx, ys); break;
   }
 }
 
+// Row tiles outside, groups inside: a tile's activations (mt rows x K) and its fp32 sums (mt x S) stay in L1/L2 while
+// the block's weights (S/2 bytes per k, L2-resident after the first tile) are decoded again per tile. Groups inside
+// a tile still run in order, so every y element sees the same operations in the same order for any M split.
 template <int S>
 void block_halves(const Int4Args& a, int64_t row0, float* ys) {
   const int64_t M = a.M, ng = a.K / a.G;
   __m512i idx[S / 32];
   for (int v = 0; v < S / 32; ++v) idx[v] = pair_index(S / 2, v);
   for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
-  for (int64_t g = 0; g < ng; ++g) group_rows<S>(a, row0, g, idx, ys);
+  for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+    mt = tile_rows(M - m0);
+    for (int64_t g = 0; g < ng; ++g) group_tile<S>(a, row0, g, m0, mt, idx, ys);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < S; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+}
+
+// fp32 prefill (M > 8 when picked: int4mm.h, Int4Args::f32_prefill). 16 bytes of one k hold rows 16 hv + l (low
+// nibble) and S/2 + 16 hv + l (high nibble), l = 0..15: vpmovzxbd widens them to 16 dwords, and / shift pick the
+// nibbles, vcvtdq2ps makes q exact in fp32, and each activation row adds x[m, k] * q with one fp32 FMA per 16 rows.
+// Per group, with D = sum x q (products exact: 8 x 4 significant bits):
+//     sum_k x w = scale * (D - 8 xs) + zero * xs = scale D + (zero - 8 scale) xs.
+// Example: byte 0x95 at k -> row 16 hv: q = 5, row S/2 + 16 hv: q = 9; x[m, k] = 0.5 adds 2.5 and 4.5 to D.
+// Per k: 5 ops of weight decode for 2 * MT FMAs (24 at MT = 12: 24 of 32 vector registers hold sums). Where an fp32
+// FMA issues at twice the rate of vdpbf16ps's pair product (Intel cores: both FMA ports vs one), this is ~2x the
+// bf16-pair tile's multiply rate at prefill sizes; where vdpbf16ps is full rate (AMD Zen 4) it loses: the op picks
+// by measuring both once (int4mm_ops.cpp, prefill_choice).
+template <int S, int MT>
+void f32_group(const Int4Args& a, int64_t row0, int64_t g, int hv, int64_t m0, float* ys) {
+  const int64_t K = a.K, G = a.G, ng = K / G;
+  const uint8_t* wg = a.qw + row0 * (K / 2) + g * G * (S / 2) + 16 * hv;
+  const float* xg = a.xf + m0 * K + g * G;
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512i m0f = _mm512_set1_epi32(15);
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < G; ++k) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + k * (S / 2))));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, m0f));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+#pragma GCC unroll 12
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(xg[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, lo, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, hi, acc[m][1]);
+    }
+  }
+  const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+  for (int h = 0; h < 2; ++h) {
+    const int r = h * (S / 2) + 16 * hv;
+    const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+    const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sc, zr);
+    for (int m = 0; m < MT; ++m) {
+      float* yp = ys + (m0 + m) * S + r;
+      __m512 y = _mm512_loadu_ps(yp);
+      y = _mm512_fmadd_ps(sc, acc[m][h], y);
+      y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
+      _mm512_storeu_ps(yp, y);
+    }
+  }
+}
+
+constexpr int kF32Tile = 12;
+
+template <int S, int MT>
+void f32_rows(const Int4Args& a, int64_t row0, int64_t m0, float* ys) {
+  for (int hv = 0; hv < S / 32; ++hv)
+    for (int64_t g = 0; g < a.K / a.G; ++g) f32_group<S, MT>(a, row0, g, hv, m0, ys);
+}
+
+// Row tiles of 12 (the last one 1..12 rows); each row's sums do not depend on the tile it is in.
+template <int S>
+void block_f32(const Int4Args& a, int64_t row0, float* ys) {
+  const int64_t M = a.M;
+  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+  for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+    mt = M - m0 >= kF32Tile ? kF32Tile : M - m0;
+    switch (mt) {
+      case 1: f32_rows<S, 1>(a, row0, m0, ys); break;
+      case 2: f32_rows<S, 2>(a, row0, m0, ys); break;
+      case 3: f32_rows<S, 3>(a, row0, m0, ys); break;
+      case 4: f32_rows<S, 4>(a, row0, m0, ys); break;
+      case 5: f32_rows<S, 5>(a, row0, m0, ys); break;
+      case 6: f32_rows<S, 6>(a, row0, m0, ys); break;
+      case 7: f32_rows<S, 7>(a, row0, m0, ys); break;
+      case 8: f32_rows<S, 8>(a, row0, m0, ys); break;
+      case 9: f32_rows<S, 9>(a, row0, m0, ys); break;
+      case 10: f32_rows<S, 10>(a, row0, m0, ys); break;
+      case 11: f32_rows<S, 11>(a, row0, m0, ys); break;
+      default: f32_rows<S, 12>(a, row0, m0, ys); break;
+    }
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int i = 0; i < S; i += 16) {
       const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
@@ -142,6 +231,11 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
 
 bool block_avx512(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
   if (mode != kHalves) return false;
+  if (a.f32_prefill) {
+    if (s == 64) return block_f32<64>(a, row0, ys), true;
+    if (s == 32) return block_f32<32>(a, row0, ys), true;
+    return false;
+  }
   if (s == 64) return block_halves<64>(a, row0, ys), true;
   if (s == 32) return block_halves<32>(a, row0, ys), true;
   return false;

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "int4mm.h"
@@ -35,6 +37,34 @@ int64_t cpu_features() {
   return features;
 }
 
+// The avx512 path's tiles for M > 8: 1 the bf16-pair dot products (vdpbf16ps), 2 fp32 FMAs on widened nibbles
+// (int4mm_avx512.cpp). Which multiplies faster depends on the core (Zen 4 runs vdpbf16ps at full rate, Intel cores at
+// half the fp32 FMA rate), so it is measured once per process: one thread, a 24-row x 64-column block over K = 2048,
+// each kind run 5 times alternately, the faster best time wins. 0 where the CPU has no avx512 path.
+int64_t prefill_choice() {
+  static const int64_t choice = [] {
+    if (!(cpu_features() & 2)) return int64_t{0};
+    const int64_t M = 24, N = 64, K = 2048, G = 128, ng = K / G;
+    std::vector<uint16_t> xb(M * K), sz(ng * N * 2), y(M * N);
+    std::vector<float> xf(M * K), xs(M * ng), ys(2 * M * 64);
+    std::vector<uint8_t> qw(N * K / 2);
+    for (size_t i = 0; i < qw.size(); ++i) qw[i] = static_cast<uint8_t>(i * 37 + 11);
+    for (size_t i = 0; i < xb.size(); ++i) xb[i] = edgeq::f32_to_bf16(xf[i] = static_cast<float>(i % 7) * 0.25f - 0.5f);
+    for (size_t i = 0; i < sz.size(); ++i) sz[i] = edgeq::f32_to_bf16(i % 2 ? 0.01f : 0.002f);
+    Int4Args a{xb.data(), xf.data(), xs.data(), qw.data(), sz.data(), y.data(), M, N, K, G};
+    double best[2] = {1e30, 1e30};
+    for (int rep = 0; rep < 10; ++rep) {
+      a.f32_prefill = rep % 2;
+      const auto t0 = std::chrono::steady_clock::now();
+      edgeq::block_avx512(a, 0, 64, edgeq::kHalves, ys.data());
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      best[rep % 2] = std::min(best[rep % 2], dt.count());
+    }
+    return best[1] < best[0] ? int64_t{2} : int64_t{1};
+  }();
+  return choice;
+}
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
                    const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_modes,
                    int64_t isa) {
@@ -56,6 +86,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
               "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
               scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
   TORCH_CHECK(full_mode == 0 || full_mode == 1, "full_mode must be 0 (halves) or 1 (adjacent)");
+  // isa's bits 4-5: the avx512 path's tiles for M > 8 (0 measured: prefill_choice, 1 bf16 pairs, 2 fp32).
+  const int64_t tiles = isa >> 4;
+  isa &= 15;
+  TORCH_CHECK(tiles >= 0 && tiles <= 2, "isa bits 4-5 (prefill tiles) must be 0, 1 or 2");
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
   TORCH_CHECK(isa == 0 || (cpu_features() & (1 << (isa - 1))), "this CPU lacks the instructions of isa ", isa);
 
@@ -93,6 +127,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<at::BFloat16>()),
              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              M, N, K, group_size};
+  a.f32_prefill = isa == 2 && M > 8 && (tiles ? tiles : prefill_choice()) == 2;
   const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
   const int64_t tail_mode = (tail_modes >> (tail / 16)) & 1;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -118,6 +153,7 @@ TORCH_LIBRARY(edgeq, m) {
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, int block_n, int full_mode, "
         "int tail_modes, int isa) -> Tensor");
   m.def("cpu_features() -> int", &cpu_features);
+  m.def("prefill_choice() -> int", &prefill_choice);
 }
 
 TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("int4_mm", int4_mm); }

@@ -7,7 +7,8 @@ beyond the larger timed size is an extrapolation, and the kernel's cost per row 
 it is checked where it is claimed: both paths are timed at that M, and while the kernel still wins there M doubles
 (measured on a Zen 4, Qwen2.5-1.5B's 8960 x 1536: the lines met at 444, where the kernel was still faster). The result is
 cached per machine and shape class in ``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``)/crossover.json, keyed by
-torch version, CPU capability, thread count, kernel path and (N, K, G) of the probed layer.
+torch version, CPU capability, thread count, kernel path (for the native kernel: its build, ISA path and prefill
+tiles) and (N, K, G) of the probed layer.
 """
 
 from __future__ import annotations
@@ -32,12 +33,22 @@ def cache_capability() -> str:
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
-KEY_VERSION = "v2"  # v2: extrapolated crossovers are checked (v1 entries, never checked, are measured again)
+KEY_VERSION = "v3"  # v2: extrapolated crossovers are checked; v3: keyed by the native kernel's build, ISA and tiles
+
+
+def _kernel(path: str) -> str:
+    """What the kernel path runs: for the native kernel its build (a new source, a new crossover), ISA path and
+    prefill tiles (``EDGEQ_NATIVE_ISA`` and the measured tile kind change its time per row); else torch's op."""
+    if not path.startswith("native"):
+        return "aten"
+    from edgeq.runtime import native  # noqa: PLC0415 - only where the native path runs
+
+    return f"{native.build_key()[:16]}:{native.status()['isa']}:{native.prefill_tiles()}"
 
 
 def _key(layer, path: str) -> str:
     return "|".join([KEY_VERSION, torch.__version__, cache_capability(), f"threads={torch.get_num_threads()}", path,
-                     f"N={layer.out_features}", f"K={layer.in_features}", f"G={layer.group_size}"])
+                     _kernel(path), f"N={layer.out_features}", f"K={layer.in_features}", f"G={layer.group_size}"])
 
 
 def _time(fn, reps: int = 3) -> float:

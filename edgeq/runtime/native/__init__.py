@@ -2,7 +2,8 @@
 
 - :mod:`.build`: the one build + ISA state machine (cache directory, build key, ``EDGEQ_NATIVE_ISA`` /
   ``EDGEQ_W4A8_ISA``, status) both libraries share;
-- :mod:`.w4a16`: the W4A16 decode kernel ``int4_mm`` (the aten tinygemm op's signature) and the layouts it reads;
+- :mod:`.w4a16`: the W4A16 decode kernel ``int4_mm`` (the aten tinygemm op's signature), the layouts it reads and
+  its measured prefill tiles (``prefill_tiles``);
 - :mod:`.ops`: the small decode ops in the same library (``decode_attn``, ``add_rms_norm``, ``rope_to_cache``, ``argmax_finite``);
 - :mod:`.w4a8`: the W4A8 kernel ``w4a8_mm`` (its own library and namespace);
 - :mod:`.command`: both kernels' status, :func:`~edgeq.runtime.native.command.kernels_status` (``edgeq native``
@@ -29,6 +30,7 @@ from edgeq.runtime.native.w4a16 import (
     call_count,
     int4_mm,
     plan,
+    prefill_tiles,
     reset_call_count,
     status,
     supports,
@@ -37,5 +39,5 @@ from edgeq.runtime.native.w4a16 import (
 __all__ = [
     "ADJACENT", "BLOCK_NS", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "argmax_finite", "available", "build_key",
     "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan",
-    "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
+    "prefill_tiles", "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

@@ -8,8 +8,9 @@ import edgeq.runtime.native.w4a16 as w4a16
 
 
 def kernels_status() -> dict:
-    """Build both kernels if needed and say whether each runs here: the W4A16 kernel's :func:`status` with the W4A8
-    kernel's under ``"w4a8"``.
+    """Build both kernels if needed and say whether each runs here: the W4A16 kernel's :func:`status`, its measured
+    prefill tiles under ``"prefill_tiles"`` (``"bf16"``, ``"fp32"`` or None) and the W4A8 kernel's status under
+    ``"w4a8"``.
 
     An invalid ``EDGEQ_NATIVE_ISA`` or ``EDGEQ_W4A8_ISA`` is an :class:`EdgeqError`; a kernel that cannot be built
     is not (its status says why, and the runtime falls back)."""
@@ -17,5 +18,5 @@ def kernels_status() -> dict:
     if w4a16.state().user_error:
         raise EdgeqError(st["reason"])
     w4a8.available()  # builds it if needed; an invalid EDGEQ_W4A8_ISA raises (exit 2)
-    return {**st, "w4a8": w4a8.status()}
+    return {**st, "prefill_tiles": w4a16.prefill_tiles(), "w4a8": w4a8.status()}
 

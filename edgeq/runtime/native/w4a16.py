@@ -168,11 +168,14 @@ def int4_mm(
     *,
     layout: tinygemm.TinygemmLayout | None = None,
     isa: str | None = None,
+    prefill: str | None = None,
 ) -> torch.Tensor:
     """bf16 [M, K] @ dequant(qweight).T -> bf16 [M, N]; the signature of ``aten._weight_int4pack_mm_for_cpu``.
 
     ``layout`` says how ``qweight`` is packed (default: this machine's :func:`~edgeq.layouts.tinygemm.probe`, which is
     what ``edgeq quantize`` wrote here); ``isa`` overrides the process's ISA choice for one call (tests, benchmarks).
+    ``prefill`` picks the avx512 path's tiles for M > 8 for one call: ``"bf16"`` (vdpbf16ps on bf16 pairs) or
+    ``"fp32"`` (fp32 FMAs on widened nibbles); None takes the kind measured faster here (:func:`prefill_tiles`).
     Raises :class:`EdgeqError` when the kernel is unavailable, the layout unsupported, or the shapes/dtypes wrong.
     """
     global _calls
@@ -180,12 +183,29 @@ def int4_mm(
     if not st.available:
         raise EdgeqError(f"native int4_mm is not available: {st.reason}")
     args = _kernel_args(st, layout, isa)
+    if prefill is not None:
+        if prefill not in PREFILL_TILES:
+            raise EdgeqError(f"native int4_mm: prefill={prefill!r} is not one of {', '.join(PREFILL_TILES)}")
+        args = args[:-1] + (args[-1] | PREFILL_TILES[prefill] << 4,)
     try:
         y = _op(x, qweight, group_size, scales_and_zeros, *args)
     except RuntimeError as e:
         raise EdgeqError(f"native int4_mm: {str(e).splitlines()[0]}") from e
     _calls += 1
     return y
+
+
+PREFILL_TILES = {"bf16": 1, "fp32": 2}  # the op's isa bits 4-5 (edgeq/csrc/int4mm_ops.cpp)
+
+
+def prefill_tiles() -> str | None:
+    """The avx512 path's tiles for M > 8 in this process: ``"bf16"`` or ``"fp32"``, whichever multiplied faster in
+    the op's one-time measurement (edgeq/csrc/int4mm_ops.cpp, ``prefill_choice``); None without that path."""
+    st = _state or _LIBRARY.load()
+    if not st.available:
+        return None
+    code = int(torch.ops.edgeq.prefill_choice())
+    return {v: k for k, v in PREFILL_TILES.items()}.get(code)
 
 
 def _op(*args):
