@@ -4,6 +4,7 @@ Every ``EDGEQ_*`` variable edgeq reads (the constants below name them), its defa
 
 - ``EDGEQ_CACHE_DIR`` (``~/.cache/edgeq``, :func:`cache_dir`): built native kernels, the crossover and route caches.
 - ``EDGEQ_NATIVE_ISA`` (auto): the W4A16 kernel's path, scalar|avx2|avx512|amx, or off (runtime/native).
+- ``EDGEQ_NATIVE_PREFILL`` (auto: measured): the W4A16 kernel's avx512 tiles for M > 8, bf16|fp32 (runtime/native).
 - ``EDGEQ_W4A8_ISA`` (auto): the W4A8 kernel's path, scalar|avx2|avxvnni|vnni|amx, or off (runtime/native).
 - ``EDGEQ_DECODE_LOOP`` (auto): lean|transformers decode loop (runtime/loader, through :func:`choice`).
 - ``EDGEQ_DECODE_OPS`` (auto): native|torch ops around the projections (runtime/lean, through :func:`choice`).
@@ -23,6 +24,7 @@ from edgeq.errors import EdgeqError
 
 CACHE_DIR = "EDGEQ_CACHE_DIR"
 NATIVE_ISA = "EDGEQ_NATIVE_ISA"
+NATIVE_PREFILL = "EDGEQ_NATIVE_PREFILL"
 W4A8_ISA = "EDGEQ_W4A8_ISA"
 DECODE_LOOP = "EDGEQ_DECODE_LOOP"
 DECODE_OPS = "EDGEQ_DECODE_OPS"

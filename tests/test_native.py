@@ -256,6 +256,21 @@ _NO_COMPILER_CHILD = textwrap.dedent(
 )
 
 
+_TILES_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from helpers.native import problem
+    from edgeq.layouts import tinygemm
+    from edgeq.runtime import native
+    x, qw, sz, _, _ = problem(20, 128, 512, 128, seed=9, layout=tinygemm.probe())
+    y = native.int4_mm(x, qw, 128, sz, isa="avx512")
+    same = {{t: bool(torch.equal(y, native.int4_mm(x, qw, 128, sz, isa="avx512", prefill=t))) for t in ("bf16", "fp32")}}
+    print("RESULT" + json.dumps({{"tiles": native.prefill_tiles(), "same": same}}))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def children(ready, tmp_path_factory):
     """Fresh processes, run in parallel (each imports torch): one per ISA the CPU has, forced by EDGEQ_NATIVE_ISA,
@@ -263,6 +278,9 @@ def children(ready, tmp_path_factory):
     jobs = {isa: ({native.ENV_ISA: isa}, _CHILD.format(tests=os.path.dirname(__file__))) for isa in ready["cpu_isas"]}
     nocxx = {"CXX": "/nonexistent/g++", env.CACHE_DIR: str(tmp_path_factory.mktemp("nocxx-cache"))}
     jobs["no-compiler"] = (nocxx, _NO_COMPILER_CHILD)
+    if "avx512" in ready["cpu_isas"]:
+        for t in ("bf16", "fp32"):
+            jobs[f"tiles-{t}"] = ({env.NATIVE_PREFILL: t}, _TILES_CHILD.format(tests=os.path.dirname(__file__)))
     procs = {}
     for key, (extra, code) in jobs.items():
         procs[key] = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **extra},
@@ -281,6 +299,18 @@ def test_env_var_forces_each_isa(ready, children):
         r = children[isa]
         assert r["available"] and r["status"]["isa"] == isa and r["status"]["forced"] == isa, r
         assert r["excess"] <= 1.0, (isa, r["excess"])
+
+
+@pytest.mark.parametrize("tiles", ["bf16", "fp32"])
+def test_env_var_forces_prefill_tiles(ready, children, tiles):
+    """EDGEQ_NATIVE_PREFILL=bf16|fp32 makes every M > 8 call on the avx512 path use that tile kind: a 20-row call
+    without ``prefill=`` equals, bit for bit, the call that asks for the forced kind (and not the other kind: the
+    two round differently on this problem)."""
+    if "avx512" not in ready["cpu_isas"]:
+        pytest.skip("no avx512 here")
+    r = children[f"tiles-{tiles}"]
+    other = "fp32" if tiles == "bf16" else "bf16"
+    assert r["tiles"] == tiles and r["same"] == {tiles: True, other: False}, r
 
 
 def test_build_failure_is_reported_and_aten_still_works(children):

@@ -19,7 +19,10 @@ ISA paths, chosen once per process from the CPU flags (``EDGEQ_NATIVE_ISA`` over
   avx512 code).
 - ``avx512``: AVX512 F/BW/VL/VBMI/BF16 (Sapphire Rapids, Zen 4). Weights become bf16 ``128 + q`` (exact; AMX
   tiles ``1 + q/16``) and are multiplied with the bf16 activations by ``vdpbf16ps`` into fp32 accumulators: exact
-  products, fp32 sums. The activations are never quantised.
+  products, fp32 sums. The activations are never quantised. For M > 8 the same path has fp32-FMA tiles too (q
+  widened to fp32, 12 activation rows a tile), which multiply twice as fast where ``vdpbf16ps`` runs at half the
+  fp32 FMA rate (Intel cores); the faster kind is measured once per process (:func:`prefill_tiles`;
+  ``EDGEQ_NATIVE_PREFILL=bf16|fp32`` forces one).
 - ``avx2``: AVX2 + FMA: q converted to fp32, fp32 FMA with the fp32 activations.
 - ``scalar``: portable C++, any supported block; also the path for blocks the SIMD paths do not specialise (tails,
   adjacent full blocks).
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeq import env
 from edgeq.env import NATIVE_ISA
 from edgeq.errors import EdgeqError
 from edgeq.layouts import tinygemm
@@ -146,13 +150,14 @@ def _plan_for(st: build.State, layout: tinygemm.TinygemmLayout | None) -> Plan:
 
 
 def _kernel_args(st: build.State, layout, isa) -> tuple[int, int, int, int]:
-    """(block_n, full mode, tail modes, isa code); the default (layout=None, isa=None) computed once per state."""
+    """(block_n, full mode, tail modes, isa code with ``$EDGEQ_NATIVE_PREFILL``'s tile bits); the default
+    (layout=None, isa=None) computed once per state."""
     if layout is None and isa is None:
         args = st.memo.get(None)
         if args is None:
-            args = st.memo[None] = _plan_for(st, None).kernel_args + (isa_code(st, None),)
+            args = st.memo[None] = _plan_for(st, None).kernel_args + (isa_code(st, None) | _env_tiles() << 4,)
         return args
-    return _plan_for(st, layout).kernel_args + (isa_code(st, isa),)
+    return _plan_for(st, layout).kernel_args + (isa_code(st, isa) | _env_tiles() << 4,)
 
 
 def isa_code(st: build.State, isa: str | None) -> int:
@@ -186,7 +191,7 @@ def int4_mm(
     if prefill is not None:
         if prefill not in PREFILL_TILES:
             raise EdgeqError(f"native int4_mm: prefill={prefill!r} is not one of {', '.join(PREFILL_TILES)}")
-        args = args[:-1] + (args[-1] | PREFILL_TILES[prefill] << 4,)
+        args = args[:-1] + (args[-1] & 15 | PREFILL_TILES[prefill] << 4,)
     try:
         y = _op(x, qweight, group_size, scales_and_zeros, *args)
     except RuntimeError as e:
@@ -198,13 +203,21 @@ def int4_mm(
 PREFILL_TILES = {"bf16": 1, "fp32": 2}  # the op's isa bits 4-5 (edgeq/csrc/int4mm_ops.cpp)
 
 
+def _env_tiles() -> int:
+    """``$EDGEQ_NATIVE_PREFILL`` as the op's tile code: 0 for auto (the op's measurement), else bf16 1 / fp32 2;
+    another value is an :class:`EdgeqError` naming the variable."""
+    picked, _ = env.choice(None, "prefill", env.NATIVE_PREFILL, ("auto", *PREFILL_TILES))
+    return PREFILL_TILES.get(picked, 0)
+
+
 def prefill_tiles() -> str | None:
-    """The avx512 path's tiles for M > 8 in this process: ``"bf16"`` or ``"fp32"``, whichever multiplied faster in
-    the op's one-time measurement (edgeq/csrc/int4mm_ops.cpp, ``prefill_choice``); None without that path."""
+    """The avx512 path's tiles for M > 8 in this process: ``"bf16"`` or ``"fp32"``, as ``$EDGEQ_NATIVE_PREFILL``
+    forces, else whichever multiplied faster in the op's one-time measurement (edgeq/csrc/int4mm_ops.cpp,
+    ``prefill_choice``); None without that path."""
     st = _state or _LIBRARY.load()
-    if not st.available:
+    if not st.available or "avx512" not in st.cpu_isas:
         return None
-    code = int(torch.ops.edgeq.prefill_choice())
+    code = _env_tiles() or int(torch.ops.edgeq.prefill_choice())
     return {v: k for k, v in PREFILL_TILES.items()}.get(code)
 
 
