@@ -70,10 +70,31 @@ inline void group_dot(const uint8_t* wg, const uint16_t* x, int64_t ldx, int64_t
       }
 }
 
+// The per-group epilogue of both tile kinds, for the 16 rows at r of the block and activation rows m0 .. m0+MT-1:
+//     y[m, r + l] += scale * D[m][l] + (zero - offset * scale) * xs[m, g]
+// with offset 136 (= 128 + 8) for the bf16-pair tiles' sums of x (128 + q), and 8 for the fp32 tiles' sums of x q.
+template <int MT>
+inline void add_group(const Int4Args& a, int64_t row0, int64_t g, int r, float offset, const __m512 (&dsum)[MT],
+                      int64_t m0, int S, float* ys) {
+  const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
+  const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
+  const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+  const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(offset), sc, zr);
+  const int64_t ng = a.K / a.G;
+  for (int m = 0; m < MT; ++m) {
+    float* yp = ys + (m0 + m) * S + r;
+    __m512 y = _mm512_loadu_ps(yp);
+    y = _mm512_fmadd_ps(sc, dsum[m], y);
+    y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
+    _mm512_storeu_ps(yp, y);
+  }
+}
+
 // One group, row vectors v0 .. v0+NV-1, activation rows m0 .. m0+MT-1: dot products, then scale and zero.
 template <int S, int MT, int NV, int U>
 void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const __m512i* idx, float* ys) {
-  const int64_t K = a.K, G = a.G, ng = K / G;
+  const int64_t K = a.K, G = a.G;
   __m512 acc[MT][NV][2];
   group_dot<S, MT, NV, U>(a.qw + row0 * (K / 2) + g * G * (S / 2), a.x + m0 * K + g * G, K, G, idx + v0, acc);
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
@@ -81,18 +102,9 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const 
     for (int i = 0; i < S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < 2; ++h) {
-      const int r = h * (S / 2) + 16 * (v0 + v);
-      const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-      const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-      const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc, zr);
-      for (int m = 0; m < MT; ++m) {
-        float* yp = ys + (m0 + m) * S + r;
-        __m512 y = _mm512_loadu_ps(yp);
-        y = _mm512_fmadd_ps(sc, acc[m][v][h], y);
-        y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
-        _mm512_storeu_ps(yp, y);
-      }
+      __m512 dsum[MT];
+      for (int m = 0; m < MT; ++m) dsum[m] = acc[m][v][h];
+      add_group<MT>(a, row0, g, h * (S / 2) + 16 * (v0 + v), 136.f, dsum, m0, S, ys);
     }
 }
 
@@ -151,11 +163,11 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
 // Example: byte 0x95 at k -> row 16 hv: q = 5, row S/2 + 16 hv: q = 9; x[m, k] = 0.5 adds 2.5 and 4.5 to D.
 // Per k: 5 ops of weight decode for 2 * MT FMAs (24 at MT = 12: 24 of 32 vector registers hold sums). Where an fp32
 // FMA issues at twice the rate of vdpbf16ps's pair product (Intel cores: both FMA ports vs one), this is ~2x the
-// bf16-pair tile's multiply rate at prefill sizes; where vdpbf16ps is full rate (AMD Zen 4) it loses: the op picks
-// by measuring both once (int4mm_ops.cpp, prefill_choice).
+// bf16-pair tile's multiply rate at prefill sizes; where vdpbf16ps is full rate (AMD Zen 4: 116 GMAC/s a core) the
+// bf16 pairs should win: the op picks by measuring both once (int4mm_ops.cpp, prefill_choice).
 template <int S, int MT>
 void f32_group(const Int4Args& a, int64_t row0, int64_t g, int hv, int64_t m0, float* ys) {
-  const int64_t K = a.K, G = a.G, ng = K / G;
+  const int64_t K = a.K, G = a.G;
   const uint8_t* wg = a.qw + row0 * (K / 2) + g * G * (S / 2) + 16 * hv;
   const float* xg = a.xf + m0 * K + g * G;
   __m512 acc[MT][2];
@@ -173,20 +185,10 @@ void f32_group(const Int4Args& a, int64_t row0, int64_t g, int hv, int64_t m0, f
       acc[m][1] = _mm512_fmadd_ps(xv, hi, acc[m][1]);
     }
   }
-  const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
   for (int h = 0; h < 2; ++h) {
-    const int r = h * (S / 2) + 16 * hv;
-    const __m512i d = _mm512_loadu_si512(sz + 2 * r);  // 16 (scale, zero) bf16 pairs
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-    const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    const __m512 c_sum = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sc, zr);
-    for (int m = 0; m < MT; ++m) {
-      float* yp = ys + (m0 + m) * S + r;
-      __m512 y = _mm512_loadu_ps(yp);
-      y = _mm512_fmadd_ps(sc, acc[m][h], y);
-      y = _mm512_fmadd_ps(c_sum, _mm512_set1_ps(a.xs[(m0 + m) * ng + g]), y);
-      _mm512_storeu_ps(yp, y);
-    }
+    __m512 dsum[MT];
+    for (int m = 0; m < MT; ++m) dsum[m] = acc[m][h];
+    add_group<MT>(a, row0, g, h * (S / 2) + 16 * hv, 8.f, dsum, m0, S, ys);
   }
 }
 
