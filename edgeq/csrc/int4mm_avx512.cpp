@@ -194,10 +194,12 @@ void f32_group(const Int4Args& a, int64_t row0, int64_t g, int hv, int64_t m0, f
 
 constexpr int kF32Tile = 12;
 
+// Groups outside, the two 16-byte halves of a k's bytes (S = 64) inside: both halves read the same weight lines and
+// the same G x MT activations, so the second comes from L1. Each output's groups still run in order.
 template <int S, int MT>
 void f32_rows(const Int4Args& a, int64_t row0, int64_t m0, float* ys) {
-  for (int hv = 0; hv < S / 32; ++hv)
-    for (int64_t g = 0; g < a.K / a.G; ++g) f32_group<S, MT>(a, row0, g, hv, m0, ys);
+  for (int64_t g = 0; g < a.K / a.G; ++g)
+    for (int hv = 0; hv < S / 32; ++hv) f32_group<S, MT>(a, row0, g, hv, m0, ys);
 }
 
 // Row tiles of 12 (the last one 1..12 rows); each row's sums do not depend on the tile it is in.
