@@ -14,6 +14,7 @@ explain where time or memory goes; the comparisons the project claims come from 
                                                                       #   per second, and the prefill ceilings it sets
     python benchmarks/probes.py kernel-calls [--threads 1]            # native W4A16 us per call, L2-resident weights
     python benchmarks/probes.py prefill-calls [--prompt 512]          # native W4A16 ms per call at prefill sizes, each tile kind
+    python benchmarks/probes.py w4a8-calls [--prompt 512]             # native W4A8 ms per call at prefill size
     python benchmarks/probes.py kernel-precision                      # native W4A16 vs aten and fp64 on outlier inputs
     python benchmarks/probes.py token-bytes CKPT [--gguf FILE]        # bytes a decoded token reads: edgeq vs GGUF
     python benchmarks/probes.py gptq-time                             # GPTQ per matrix, --gptq-params search vs minmax
@@ -373,6 +374,22 @@ def prefill_calls(args) -> None:
                       f"({m * n * k / ts[2] / 1e3:.1f} GMAC/s)")
 
 
+def w4a8_calls(args) -> None:
+    """The native W4A8 kernel at prefill size: ms per call (median and best of 7 calls after one) and GMAC/s for the
+    Qwen2.5-1.5B MLP shapes (gate/up 8960 x 1536, down 1536 x 8960, g128) at M = --prompt (512). To compare two
+    builds, run it in a checkout of each, alternating (each checkout builds its own library)."""
+    from edgeq.route.timing import _weights
+    from edgeq.runtime.native import w4a8
+
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((8960, 1536), (1536, 8960)):
+        p = _weights(n, k, 128, gen)["w4a8"]
+        x = torch.randn(args.prompt, k, generator=gen).to(torch.bfloat16)
+        ts = _call_times_us(lambda: w4a8.w4a8_mm(x, p.qweight, p.scales, p.zeros, 128), 7, 1, 1)
+        print(f"{n} x {k}, M = {args.prompt}: median {ts[3] / 1e3:.2f} ms [best {ts[0] / 1e3:.2f}] "
+              f"({args.prompt * n * k / ts[3] / 1e3:.0f} GMAC/s), isa {w4a8.status()['isa']}")
+
+
 def kernel_precision(args) -> None:
     """The native W4A16 kernel against aten and the fp64 reference on its worst case for rounding (N = 512,
     K = 4096, g128; activations of mean 1 with channels of 300 and -200): share of outputs that differ from aten's,
@@ -444,7 +461,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
                                           "verify-cost", "pmd-map", "huge-pages", "peak", "kernel-calls",
-                                          "prefill-calls", "kernel-precision", "token-bytes", "gptq-time"])
+                                          "prefill-calls", "w4a8-calls", "kernel-precision", "token-bytes", "gptq-time"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
@@ -460,7 +477,7 @@ def main() -> None:
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
      "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
-     "peak": peak, "kernel-calls": kernel_calls, "prefill-calls": prefill_calls,
+     "peak": peak, "kernel-calls": kernel_calls, "prefill-calls": prefill_calls, "w4a8-calls": w4a8_calls,
      "kernel-precision": kernel_precision, "token-bytes": token_bytes,
      "gptq-time": gptq_time}[args.probe](args)
 
