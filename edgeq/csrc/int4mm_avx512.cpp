@@ -143,16 +143,10 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
   const int64_t M = a.M, ng = a.K / a.G;
   __m512i idx[S / 32];
   for (int v = 0; v < S / 32; ++v) idx[v] = pair_index(S / 2, v);
-  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
   for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
     mt = tile_rows(M - m0);
     for (int64_t g = 0; g < ng; ++g) group_tile<S>(a, row0, g, m0, mt, idx, ys);
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int i = 0; i < S; i += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
-    }
 }
 
 // fp32 prefill (M > 8 when picked: int4mm.h, Int4Args::f32_prefill). 16 bytes of one k hold rows 16 hv + l (low
@@ -206,7 +200,6 @@ void f32_rows(const Int4Args& a, int64_t row0, int64_t m0, float* ys) {
 template <int S>
 void block_f32(const Int4Args& a, int64_t row0, float* ys) {
   const int64_t M = a.M;
-  for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
   for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
     mt = M - m0 >= kF32Tile ? kF32Tile : M - m0;
     switch (mt) {
@@ -224,25 +217,25 @@ void block_f32(const Int4Args& a, int64_t row0, float* ys) {
       default: f32_rows<S, 12>(a, row0, m0, ys); break;
     }
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int i = 0; i < S; i += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * S + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
-    }
 }
 
 }  // namespace
 
+// Either tile kind sums into the zeroed fp32 scratch ys [M][s]; the block's rows are then rounded to bf16 once.
 bool block_avx512(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
-  if (mode != kHalves) return false;
-  if (a.f32_prefill) {
-    if (s == 64) return block_f32<64>(a, row0, ys), true;
-    if (s == 32) return block_f32<32>(a, row0, ys), true;
-    return false;
-  }
-  if (s == 64) return block_halves<64>(a, row0, ys), true;
-  if (s == 32) return block_halves<32>(a, row0, ys), true;
-  return false;
+  if (mode != kHalves || (s != 64 && s != 32)) return false;
+  const int64_t M = a.M;
+  for (int64_t i = 0; i < M * s; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+  if (a.f32_prefill)
+    s == 64 ? block_f32<64>(a, row0, ys) : block_f32<32>(a, row0, ys);
+  else
+    s == 64 ? block_halves<64>(a, row0, ys) : block_halves<32>(a, row0, ys);
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < s; i += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(ys + m * s + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + row0 + i), (__m256i)h);
+    }
+  return true;
 }
 
 }  // namespace edgeq
