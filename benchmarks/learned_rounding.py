@@ -5,7 +5,7 @@ of GPTQ / RTN codes, fake-quantised, on the bundled model.
     python benchmarks/learned_rounding.py method=gptq steps=200 lr=0.005 vr=1           # from GPTQ --calib self codes
 
 Other keys: recipe=NAME, scheme=w4a16-gG, bs=8 (windows a step), ns=32 (self-sampled windows, seed 1), sz=0 (learn V
-only), head=0 (leave the head at its start codes).
+only), head=0 (leave the head at its start codes), decay=0 (a constant step), best=0 (keep the last step).
 
 Per decoder layer: codes q = clamp(round((W - z')/s' + V), -8, 7), w_hat = q s' + z', with V (per weight, init so
 that the start codes come out, |V - V0| <= vr), s' = s (1 + a), z' = z + b s per group; signed gradient descent
@@ -45,6 +45,8 @@ LEARN_SZ = args.get("sz", "1") == "1"
 HEAD = args.get("head", "1") == "1"
 VR = float(args.get("vr", 1.0))
 RTN0 = args.get("rtn0", "0") == "1"
+DECAY = args.get("decay", "1") == "1"  # the step decays linearly to 0
+BEST = args.get("best", "1") == "1"  # keep the step with the lowest batch loss (else the last)
 
 
 def codes(out):
@@ -181,17 +183,17 @@ def main():
             for p in ps:
                 p.grad = None
             loss.backward()
-            if loss.item() < best[0]:
+            if BEST and loss.item() < best[0]:
                 best[0], best[1] = loss.item(), [p.detach().clone() for p in ps]
             with torch.no_grad():
                 for p in ps:
-                    p -= LR * (1 - step / STEPS) * p.grad.sign()
+                    p -= LR * ((1 - step / STEPS) if DECAY else 1.0) * p.grad.sign()
             for m in names:
                 QWS[m].clamp_()
             if step % 100 == 0 or step == STEPS - 1:
                 print(f"  layer {li} step {step} loss {loss.item():.3e}", flush=True)
         with torch.no_grad():
-            for p, b in zip(ps, best[1]):
+            for p, b in zip(ps, best[1] or ()):
                 p.copy_(b)
         install(True)
         with torch.no_grad():
