@@ -52,14 +52,12 @@ BEST = args.get("best", "1") == "1"  # keep the step with the lowest batch loss 
 def codes(out):
     ckpt, man = open_checkpoint(out), read_manifest(out)
     layout = tg.TinygemmLayout.from_json(man.layout)
-    g0 = Scheme.parse(man.scheme).group_size
-    gs = getattr(man, "group_sizes", None) or {}
     res = {}
     for m in man.quantized_modules:
         n, half = ckpt.tensors[f"{m}.qweight"].shape
         q = tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout)
         sz = ckpt.read(f"{m}.scales_and_zeros").float()
-        res[m] = (q.to(torch.int64) - 8, sz, gs.get(m, g0))
+        res[m] = (q.to(torch.int64) - 8, sz, man.group_size(m))
     return res
 
 
