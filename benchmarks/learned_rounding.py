@@ -10,7 +10,9 @@ only), head=0 (leave the head at its start codes), decay=0 (a constant step), be
 Per decoder layer: codes q = clamp(round((W - z')/s' + V), -8, 7), w_hat = q s' + z', with V (per weight, init so
 that the start codes come out, |V - V0| <= vr), s' = s (1 + a), z' = z + b s per group; signed gradient descent
 (step lr, decaying linearly to 0) on the layer's output MSE against the float layer's output (inputs: the
-already-quantised stack's), keeping the step with the lowest batch loss, then the head on the logits' KL. Evaluation: mean KLD vs the float model on the held-out text, ctx 512, second halves scored.
+already-quantised stack's), keeping the step with the lowest batch loss; then the head on the logits' KL (a
+constant step, the last kept). Evaluation: mean KLD vs the float model on the held-out text, ctx 512, second halves
+scored.
 """
 import sys
 import tempfile
@@ -61,6 +63,28 @@ def codes(out):
     return res
 
 
+def signed_descent(ps, batch_loss, clamp, label, decay, best):
+    """STEPS signed steps of LR on ``ps`` (linearly decaying to 0 with ``decay``); with ``best`` the parameters of the
+    step with the lowest batch loss are restored at the end, else the last step's stay."""
+    kept = [float("inf"), None]
+    for step in range(STEPS):
+        loss = batch_loss(torch.randint(0, NS, (BS,)))
+        for p in ps:
+            p.grad = None
+        loss.backward()
+        if best and loss.item() < kept[0]:
+            kept[0], kept[1] = loss.item(), [p.detach().clone() for p in ps]
+        with torch.no_grad():
+            for p in ps:
+                p -= LR * ((1 - step / STEPS) if decay else 1.0) * p.grad.sign()
+        clamp()
+        if step % 100 == 0 or step == STEPS - 1:
+            print(f"  {label} step {step} loss {loss.item():.3e}", flush=True)
+    with torch.no_grad():
+        for p, b in zip(ps, kept[1] or ()):
+            p.copy_(b)
+
+
 def pick(v, sl):
     if isinstance(v, tuple):
         return tuple(pick(t, sl) for t in v)
@@ -76,7 +100,6 @@ def rnd(x):
 class QW(torch.nn.Module):
     def __init__(self, w, q, sz, g):
         super().__init__()
-        n, k = w.shape
         self.g, self.w = g, w.float()
         self.s = sz[..., 0].t().contiguous()  # [N, K/G]
         self.z = sz[..., 1].t().contiguous()
@@ -113,11 +136,11 @@ class QW(torch.nn.Module):
 
 
 def main():
-    tmp = Path(tempfile.mkdtemp())
-    out = tmp / "q"
     gopts = GPTQOptions(calib="self", nsamples=NS) if METHOD == "gptq" else None
-    convert(SRC, out, Scheme.parse(SCHEME), METHOD, RECIPE, gptq=gopts, embeddings="bf16")
-    C = codes(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "q"
+        convert(SRC, out, Scheme.parse(SCHEME), METHOD, RECIPE, gptq=gopts, embeddings="bf16")
+        C = codes(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(SRC, torch_dtype=torch.float32)
     model.eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(SRC, torch_dtype=torch.float32).eval()
@@ -171,28 +194,18 @@ def main():
         with torch.no_grad():
             yf = torch.cat([run(ref.model.layers[li], xf[i:i + 8], slice(i, i + 8)) for i in range(0, NS, 8)])
         ps = [p for m in names for p in (QWS[m].v, QWS[m].a, QWS[m].b) if LEARN_SZ or p is QWS[m].v]
-        best = [float("inf"), None]
-        for step in range(STEPS):
-            idx = torch.randint(0, NS, (BS,))
+
+        def layer_loss(idx, layer=layer, names=names, pre=pre, yf=yf):
             ws = {m[len(pre):] + ".weight": QWS[m]() for m in names}
             o = torch.func.functional_call(layer, ws, (xq[idx],), {k: pick(v, idx) for k, v in kw.items()})
             o = o[0] if isinstance(o, tuple) else o
-            loss = ((o - yf[idx]) ** 2).mean()
-            for p in ps:
-                p.grad = None
-            loss.backward()
-            if BEST and loss.item() < best[0]:
-                best[0], best[1] = loss.item(), [p.detach().clone() for p in ps]
-            with torch.no_grad():
-                for p in ps:
-                    p -= LR * ((1 - step / STEPS) if DECAY else 1.0) * p.grad.sign()
+            return ((o - yf[idx]) ** 2).mean()
+
+        def clamp_layer(names=names):
             for m in names:
                 QWS[m].clamp_()
-            if step % 100 == 0 or step == STEPS - 1:
-                print(f"  layer {li} step {step} loss {loss.item():.3e}", flush=True)
-        with torch.no_grad():
-            for p, b in zip(ps, best[1] or ()):
-                p.copy_(b)
+
+        signed_descent(ps, layer_loss, clamp_layer, f"layer {li}", DECAY, BEST)
         install(True)
         with torch.no_grad():
             xq = torch.cat([run(layer, xq[i:i + 8], slice(i, i + 8)) for i in range(0, NS, 8)])
@@ -204,22 +217,16 @@ def main():
             hq = model.model.norm(xq)
             lpf = torch.log_softmax(ref.lm_head(hf), -1)
         ps = [qw.v, qw.a, qw.b] if LEARN_SZ else [qw.v]
-        for step in range(STEPS):
-            idx = torch.randint(0, NS, (BS,))
+
+        def head_kl(idx):
             lq = torch.log_softmax(hq[idx] @ qw().t(), -1)
-            loss = (lpf[idx].exp() * (lpf[idx] - lq)).sum(-1).mean()
-            for p in ps:
-                p.grad = None
-            loss.backward()
-            with torch.no_grad():
-                for p in ps:
-                    p -= LR * p.grad.sign()
-            qw.clamp_()
-            if step % 100 == 0 or step == STEPS - 1:
-                print(f"  head step {step} kl {loss.item():.3e}", flush=True)
+            return (lpf[idx].exp() * (lpf[idx] - lq)).sum(-1).mean()
+
+        signed_descent(ps, head_kl, qw.clamp_, "head", decay=False, best=False)
     install(True)
     res = score(model, ref_lp, wins)
     print(f"learned: KLD {res[0]:.5f} top1 {res[1]:.4f} (init {base[0]:.5f}) in {time.time() - t0:.0f} s; args {args}", flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()
