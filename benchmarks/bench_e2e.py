@@ -186,7 +186,8 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
                         + f", prefill {e['prefill_path']}"
                         + (f" at M >= {e['prefill_crossover']}" if e.get("prefill_crossover") is not None else "")
                         + (f" ({e['path_note']})" if e.get("path_note") else "")
-                        + f", loop {e.get('decode_loop')}, decode ops {e.get('decode_ops')}")
+                        + f", loop {e.get('decode_loop')}, decode ops {e.get('decode_ops')}"
+                        + f", prefill attention {e.get('prefill_attn', 'sdpa')}")
             lines.append(f"- {model} {s.label}: {desc}; {paths}")
     for model, prep, report in results:
         for f in report.flags:

@@ -8,6 +8,7 @@ Every ``EDGEQ_*`` variable edgeq reads (the constants below name them), its defa
 - ``EDGEQ_W4A8_ISA`` (auto): the W4A8 kernel's path, scalar|avx2|avxvnni|vnni|amx, or off (runtime/native).
 - ``EDGEQ_DECODE_LOOP`` (auto): lean|transformers decode loop (runtime/loader, through :func:`choice`).
 - ``EDGEQ_DECODE_OPS`` (auto): native|torch ops around the projections (runtime/lean, through :func:`choice`).
+- ``EDGEQ_PREFILL_ATTN`` (auto): native|sdpa attention in the transformers forward (runtime/prefill_attn).
 - ``EDGEQ_STRICT_LAYOUT`` (off): ``1`` refuses weights packed for another machine's layout (vLLM plugin).
 - ``EDGEQ_PREFILL_THRESHOLD`` (measured): the W4A16 prefill crossover M (vLLM plugin).
 - ``EDGEQ_BENCH_LLAMA_REPACK`` (1): ``0`` runs the llama.cpp arm without repacked weights (bench worker).
@@ -28,6 +29,7 @@ NATIVE_PREFILL = "EDGEQ_NATIVE_PREFILL"
 W4A8_ISA = "EDGEQ_W4A8_ISA"
 DECODE_LOOP = "EDGEQ_DECODE_LOOP"
 DECODE_OPS = "EDGEQ_DECODE_OPS"
+PREFILL_ATTN = "EDGEQ_PREFILL_ATTN"
 STRICT_LAYOUT = "EDGEQ_STRICT_LAYOUT"
 PREFILL_THRESHOLD = "EDGEQ_PREFILL_THRESHOLD"
 BENCH_LLAMA_REPACK = "EDGEQ_BENCH_LLAMA_REPACK"

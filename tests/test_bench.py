@@ -240,15 +240,19 @@ def test_bf16_reference_counts_bf16_calls(tmp_path):
 
 def test_contradicting_paths_fail_the_pass():
     class S:
-        quantized, decode_path, prefill_crossover = True, "native_decode", 32
+        quantized, decode_path, prefill_crossover, prefill_attn = True, "native_decode", 32, "native"
 
     class LM:
         settings = S()
 
-    gen = {"paths": {"prefill": {"tinygemm_decode": 29}, "decode": {"tinygemm_decode": 29}}, "native_calls": None}
+    gen = {"paths": {"prefill": {"tinygemm_decode": 29}, "decode": {"tinygemm_decode": 29}}, "native_calls": None,
+           "attn_calls": {"prefill": {"prefill_attn_sdpa": 4}, "decode": {}}}
     problems = check_paths(LM(), gen, prompt_len=512)
     assert any("effective decode path is native_decode" in p for p in problems)
     assert any("expected dequant_prefill" in p for p in problems)
+    assert any("prefill attention is native, but the prefill counted {'prefill_attn_sdpa': 4}" in p for p in problems)
+    gen["attn_calls"]["prefill"] = {"prefill_attn_native": 4}
+    assert not any("prefill attention" in p for p in check_paths(LM(), gen, prompt_len=512))
 
 
 def test_children_run_the_parents_edgeq(monkeypatch):

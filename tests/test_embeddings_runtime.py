@@ -189,7 +189,8 @@ def _logits(lm, lean: bool) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["tied", "untied", "gemma2"])
 def test_loaded_packed_equals_the_materialised_table(ckpts, name):
     _, p, e = ckpts[name]
-    packed, table = (load(d, max_model_len=64, prefill_threshold=8, decode_ops="torch") for d in (p, e))
+    packed, table = (load(d, max_model_len=64, prefill_threshold=8, decode_ops="torch", prefill_attn="sdpa")
+                     for d in (p, e))
     emb = packed.model.get_input_embeddings()
     assert isinstance(emb, PackedEmbedding) and packed.settings.embeddings.startswith("packed 4-bit (")
     assert table.settings.embeddings == "bf16"
@@ -228,7 +229,7 @@ def test_transformers_generate_equals_edgeq(ckpts):
     assert isinstance(emb, PackedEmbedding) and emb.levels[0].qweight is model.lm_head.qweight
     assert model.edgeq.swapped.embeddings.startswith("packed 4-bit")
     assert not any("embed_tokens" in n for n, _ in model.named_parameters())
-    lm = load(p, decode_ops="torch")
+    lm = load(p, decode_ops="torch", prefill_attn="sdpa")
     ids = lm.tokenizer("Once upon a time", return_tensors="pt").input_ids
     with torch.inference_mode():
         hf = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()

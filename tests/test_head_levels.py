@@ -263,7 +263,7 @@ def test_lean_decode_equals_transformers_forward_greedy(ckpts):
     lean, runs = greedy_both_loops(ckpts[2])
     assert runs[0] == runs[1] and len(runs[0][0]) == 32
     assert lean.loop_counts == {"transformers": 1, "lean": 31} and lean.settings.decode_loop == "lean"
-    one = load(ckpts[1], prefill_threshold=4, decode_ops="torch")
+    one = load(ckpts[1], prefill_threshold=4, decode_ops="torch", prefill_attn="sdpa")
     one.reset_counts()
     ids1, *_ = generate_ids(one, lean.tokenizer("Once upon a time")["input_ids"], 32)
     path = lean.settings.decode_path  # every token's head (M = 1: the prompt's last row, then each step) runs twice
@@ -282,7 +282,7 @@ def test_transformers_generate_equals_edgeq(ckpts):
     quantized = [n for n, m in model.named_modules() if getattr(m, "edgeq_quantized", False)]
     assert "lm_head" in quantized and TABLE not in quantized  # the level is no child module: one head per probe
     assert not any(n.startswith("lm_head.") for n, _ in model.named_modules())
-    lm = load(ckpts[2], decode_ops="torch")
+    lm = load(ckpts[2], decode_ops="torch", prefill_attn="sdpa")
     ids = lm.tokenizer("Once upon a time", return_tensors="pt").input_ids
     with torch.inference_mode():
         hf = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()

@@ -81,7 +81,9 @@ def _tokens(n: int, vocab: int) -> list[int]:
 @pytest.mark.parametrize("name", ["prose", "prose-bf16", "qwen2", "qwen3", "mistral"])
 def test_lean_logits_equal_transformers_bit_for_bit(name, prose, tiny):
     path = {"prose": prose, "prose-bf16": FIXTURE}.get(name) or tiny[name]
-    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="torch")
+    # the reference is transformers' own forward: its SDPA attention (edgeq's native prefill attention sums in
+    # another order; tests/test_prefill_attn.py bounds it)
+    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="torch", prefill_attn="sdpa")
     assert lm.settings.decode_loop == "lean" and lm.decoder is not None
     assert (lm.settings.decode_ops, lm.settings.decode_ops_reason) == ("torch", "requested (decode_ops=torch)")
     tokens = _tokens(STEPS, lm.config.vocab_size)
@@ -107,7 +109,7 @@ def test_native_ops_logits_close_to_transformers(name, prose, tiny):
     output may differ by a bf16 ulp, which the later layers carry. Bound: relative to the largest |logit|,
     NATIVE_TOL."""
     path = {"prose": prose, "prose-bf16": FIXTURE}.get(name) or tiny[name]
-    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="native")
+    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="native", prefill_attn="sdpa")
     assert lm.settings.decode_ops == "native" and lm.settings.decode_ops_reason.startswith("edgeq's")
     tokens = _tokens(STEPS, lm.config.vocab_size)
     lean, ref = _run(lm, tokens, lean=True), _run(lm, tokens, lean=False)
@@ -125,8 +127,9 @@ def test_switching_decode_ops_allocates_each_path_at_first_use(name, prose, tiny
     if not native.available():
         pytest.skip("the native library does not build/run here")
     path = prose if name == "prose" else tiny[name]
-    assert load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="torch").decoder.attn_out is None
-    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="native")
+    torch_ops = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="torch", prefill_attn="sdpa")
+    assert torch_ops.decoder.attn_out is None
+    lm = load(path, kv_cache_bytes="1MiB", prefill_threshold=8, decode_ops="native", prefill_attn="sdpa")
     dec = lm.decoder
     native_bytes = dec.owned_bytes
     assert dec.rot is None and dec.norm is None and lm.settings.lean_bytes == native_bytes
@@ -160,7 +163,7 @@ def test_decode_ops_choice_and_errors(prose, monkeypatch):
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
 def test_sliding_window_past_the_window(name, tiny):
-    lm = load(tiny[name], kv_cache_bytes="1MiB", decode_ops="torch")
+    lm = load(tiny[name], kv_cache_bytes="1MiB", decode_ops="torch", prefill_attn="sdpa")
     assert lm.settings.decode_loop == "lean"
     windows = [L.window for L in lm.decoder.layers]
     assert windows == ([16, 16] if name == "mistral-window" else [None, 16])  # Qwen2: sliding from layer 1 on
@@ -174,8 +177,8 @@ def test_sliding_window_past_the_window(name, tiny):
 
 
 def test_greedy_ids_identical_on_the_fixture(prose):
-    lean = load(prose, prefill_threshold=4, decode_ops="torch")
-    hf = load(prose, prefill_threshold=4, decode_loop="transformers")
+    lean = load(prose, prefill_threshold=4, decode_ops="torch", prefill_attn="sdpa")
+    hf = load(prose, prefill_threshold=4, decode_loop="transformers", prefill_attn="sdpa")  # transformers itself
     assert (lean.settings.decode_loop, hf.settings.decode_loop) == ("lean", "transformers")
     assert hf.settings.decode_loop_reason == "requested (decode_loop=transformers)" and hf.decoder is None
     prompt = lean.tokenizer("Once upon a time")["input_ids"]
@@ -194,7 +197,7 @@ def test_native_ops_change_the_greedy_pick_only_at_near_ties(prose):
     """Teacher-forced along the transformers forward's own 48 greedy ids on the trained fixture: wherever the native
     ops' argmax differs, the reference's top-2 margin is within TIE_ULPS bf16 ulps of its largest logit (a tie that
     any rounding may break either way), and most steps agree."""
-    hf = load(prose, prefill_threshold=4, decode_loop="transformers")
+    hf = load(prose, prefill_threshold=4, decode_loop="transformers", prefill_attn="sdpa")  # transformers itself
     lean = load(prose, prefill_threshold=4, decode_ops="native")
     prompt = hf.tokenizer("Once upon a time")["input_ids"]
     ids = generate_ids(hf, prompt, 48)[0]
@@ -288,7 +291,7 @@ def test_act_order_perm_is_gathered_once_per_step(tmp_path, prose):
     shutil.copytree(prose, ckpt)
     g = torch.Generator().manual_seed(1)
     permute(ckpt, torch.cat([torch.randperm(128, generator=g), 128 + torch.randperm(128, generator=g)]))
-    lm = load(ckpt, prefill_threshold=8, kv_cache_bytes="1MiB", decode_ops="torch")
+    lm = load(ckpt, prefill_threshold=8, kv_cache_bytes="1MiB", decode_ops="torch", prefill_attn="sdpa")
     tokens = _tokens(8, 4096)
     lm.reset_counts()
     lean = _run(lm, tokens, lean=True)

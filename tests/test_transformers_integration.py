@@ -61,9 +61,9 @@ def test_generate_matches_edgeq_runtime(checkpoints, scheme):
     for name in manifest["quantized_modules"]:
         assert type(model.get_submodule(name)).__name__ == KERNEL_MODULE[scheme], name
     tok = AutoTokenizer.from_pretrained(str(path))
-    # decode_ops="torch": the lean loop's bit-identical ops (the native ones are bounded, not bit-equal to the
+    # decode_ops="torch", prefill_attn="sdpa": the bit-identical ops (the native ones are bounded, not bit-equal to the
     # transformers forward, so a near-tie could part the greedy ids on some machine)
-    lm = load(path, decode_ops="torch")
+    lm = load(path, decode_ops="torch", prefill_attn="sdpa")
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
@@ -226,5 +226,5 @@ def test_biases_and_modules_kept_in_bf16(tmp_path):
     assert type(q).__name__ == "Int4Linear" and q.bias is not None
     ids = torch.arange(3, 40)[None]
     with torch.inference_mode():
-        ours = load(out, decode_ops="torch").forward(ids, use_cache=False)
+        ours = load(out, decode_ops="torch", prefill_attn="sdpa").forward(ids, use_cache=False)
         assert torch.equal(model(ids).logits, ours)

@@ -45,7 +45,7 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
     t1 = time.perf_counter()
     token = _pick(logits[0, -1])
     t2 = time.perf_counter()
-    prefill_paths = dict(lm.path_counts)
+    prefill_paths, prefill_attn = dict(lm.path_counts), dict(lm.attn_counts)
     lm.reset_counts()
     n1 = native.call_count() if native is not None else 0
     c1 = cpu_clock()
@@ -55,12 +55,13 @@ def _generate(lm, ids: list[int], gen_len: int) -> dict:
         token = _pick(logits[0, -1])
     t4 = time.perf_counter()
     c2 = cpu_clock()
-    decode_paths = dict(lm.path_counts)
+    decode_paths, decode_attn = dict(lm.path_counts), dict(lm.attn_counts)
     n2 = native.call_count() if native is not None else 0
     lm.reset_counts()
     return {
         "prefill_s": t1 - t0, "ttft_s": t2 - t0, "decode_s": t4 - t3,
         "paths": {"prefill": prefill_paths, "decode": decode_paths},
+        "attn_calls": {"prefill": prefill_attn, "decode": decode_attn},
         "native_calls": {"prefill": n1 - n0, "decode": n2 - n1} if native is not None else None,
         "cpu": {"prefill": cpu_share(c0, c1, threads), "decode": cpu_share(c1, c2, threads)},
     }
@@ -84,7 +85,8 @@ def _effective(lm) -> dict:
                        "build_seconds": st["build_seconds"]}
     else:
         s["native"] = None
-    s["env"] = {k: os.environ[k] for k in ("EDGEQ_NATIVE_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EDGEQ_CACHE_DIR") if k in os.environ}
+    s["env"] = {k: os.environ[k] for k in ("EDGEQ_NATIVE_ISA", "EDGEQ_PREFILL_ATTN", "EDGEQ_DECODE_OPS", "OMP_NUM_THREADS",
+                                           "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EDGEQ_CACHE_DIR") if k in os.environ}
     return s
 
 
@@ -94,6 +96,9 @@ def check_paths(lm, gen: dict, prompt_len: int) -> list[str]:
     s = lm.settings
     pre, dec = gen["paths"]["prefill"], gen["paths"]["decode"]
     problems = []
+    if s.prefill_attn == "native" and not gen["attn_calls"]["prefill"].get("prefill_attn_native", 0):
+        problems.append(f"the effective prefill attention is native, but the prefill counted "
+                        f"{gen['attn_calls']['prefill'] or 'no attention calls'}")
     if not s.quantized:
         for phase, counts in (("prefill", pre), ("decode", dec)):
             if counts.get("bf16", 0) == 0 or set(counts) - {"bf16"}:
@@ -185,6 +190,7 @@ def run_edgeq(spec: PassSpec, t_start: float) -> dict:
         "kind": "edgeq",
         "timing": timing_record(spec, t_imported - t_start, load_s, gen, ttft_cold),
         "paths": gen["paths"],
+        "attn_calls": gen["attn_calls"],
         "native_calls": gen["native_calls"],
         "cpu": gen["cpu"],
         "path_problems": problems,

@@ -1,7 +1,12 @@
-// Torch binding of the decode attention (attn_decode.h): checks, task split across threads, merge of the chunks.
+// Torch bindings of the decode attention (attn_decode.h: checks, task split across threads, merge of the chunks)
+// and of the prefill attention (attn_prefill.h: keys packed once, tiles of rows spread over the threads).
 //
 //   torch.ops.edgeq.decode_attn(q bf16 [H, D], keys bf16 [1, KVH, CAP, D], values (same), start, end, scale,
 //                               out bf16 [H, D], isa) -> ()
+//   torch.ops.edgeq.prefill_attn(q bf16 [H, S, D], keys bf16 [1, KVH, T, D] (each row of D contiguous; heads and
+//                                rows strided: a view of the cache), values (same strides), scale, isa)
+//                                -> out bf16 [S, H, D]
+//                                (causal; query i at position T - S + i; avx512 path only: isa >= 2)
 //
 // isa as for int4_mm: 0 scalar, 1 avx2, 2 avx512 (3, amx, runs the avx512 code: there is no tile work here).
 #include <ATen/ATen.h>
@@ -12,6 +17,7 @@
 #include <vector>
 
 #include "attn_decode.h"
+#include "attn_prefill.h"
 #include "bf16.h"
 
 namespace {
@@ -80,11 +86,62 @@ void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   }
 }
 
+void check_rows(const at::Tensor& t, const char* what, int64_t KVH, int64_t D) {
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == KVH && t.size(3) == D && t.stride(3) == 1 &&
+                  t.scalar_type() == at::kBFloat16,
+              what, ": expected bf16 [1, ", KVH, ", T, ", D, "] with contiguous rows, got ", t.scalar_type(), " ",
+              t.sizes(), " strides ", t.strides());
+}
+
+at::Tensor prefill_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale,
+                        int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q: expected contiguous bf16 [H, S, D], got ", q.scalar_type(), " ", q.sizes());
+  const int64_t H = q.size(0), S = q.size(1), D = q.size(2), KVH = keys.size(1), T = keys.size(2);
+  check_rows(keys, "keys", KVH, D);
+  check_rows(values, "values", KVH, D);
+  TORCH_CHECK(values.size(2) == T && values.stride(1) == keys.stride(1) && values.stride(2) == keys.stride(2),
+              "values: ", values.sizes(), " strides ", values.strides(), " differ from keys' ", keys.sizes(), " ",
+              keys.strides());
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "H=", H, " query heads is not a multiple of KVH=", KVH);
+  TORCH_CHECK(S > 0 && T >= S, "T=", T, " keys for S=", S, " queries: the queries must be the last S positions");
+  TORCH_CHECK(D % 16 == 0 && D > 0, "head size D=", D, " is not a multiple of 16");
+  TORCH_CHECK(isa >= 2 && isa <= 3, "prefill_attn runs on the avx512 path only (isa 2 or 3), got isa ", isa);
+  at::Tensor out = at::empty({S, H, D}, q.options());
+  const int64_t nb = (T + 15) / 16, G = H / KVH;
+  at::Tensor kp = at::empty({KVH * nb * (D / 2) * 16}, at::TensorOptions().dtype(at::kInt));
+  edgeq_attn::PrefillArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                            H, KVH, S, D, T - S, keys.stride(1), keys.stride(2), static_cast<float>(scale),
+                            reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>())};
+  uint32_t* kpw = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+  at::parallel_for(0, KVH, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) edgeq_attn::prefill_pack_keys_avx512(a, j, T, kpw);
+  });
+  // Tiles heaviest first (later positions see more keys), handed out one at a time: the causal work is uneven.
+  const int64_t ntiles = (G * S + edgeq_attn::kPrefillRows - 1) / edgeq_attn::kPrefillRows, ntasks = KVH * ntiles;
+  const int64_t need = edgeq_attn::prefill_scratch_floats(D);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scratch(need);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < ntasks; ++t)
+      edgeq_attn::prefill_tile_avx512(a, t % KVH, ntiles - 1 - t / KVH, scratch.data());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("decode_attn(Tensor q, Tensor keys, Tensor values, int start, int end, float scale, Tensor(a!) out, "
         "int isa) -> ()");
+  m.def("prefill_attn(Tensor q, Tensor keys, Tensor values, float scale, int isa) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("decode_attn", decode_attn); }
+TORCH_LIBRARY_IMPL(edgeq, CPU, m) {
+  m.impl("decode_attn", decode_attn);
+  m.impl("prefill_attn", prefill_attn);
+}

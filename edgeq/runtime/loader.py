@@ -28,6 +28,7 @@ from edgeq.io.mapped import MappedFiles
 from edgeq.io.safetensors import sha256_file
 from edgeq.keys import CONFIG, MANIFEST
 from edgeq.runtime import embedding, fused, lean
+from edgeq.runtime import prefill_attn as prefill_attention
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
 from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
 from edgeq.runtime.sizes import format_bytes, parse_bytes
@@ -66,6 +67,8 @@ class RuntimeSettings:
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
     embeddings: str = "bf16"  # the input embedding: "bf16" (mapped table) or "packed 4-bit (<levels>)", embedding.py
     head_levels: int = 1  # 2: the head also sums the packed table's residual level (--head-levels 2, qlinear.py)
+    prefill_attn: str = "sdpa"  # attention of the transformers forward: "native" (edgeq's kernel) | "sdpa" | "eager"
+    prefill_attn_reason: str = ""
 
 
 DECODE_LOOPS = ("auto", "lean", "transformers")
@@ -74,10 +77,11 @@ DECODE_LOOPS = ("auto", "lean", "transformers")
 class LoadedModel:
     """A ready model: ``.model`` (transformers module), ``.tokenizer``, ``.config``, ``.manifest``, ``.cache``,
     ``.settings``, ``.path_counts`` (calls per compute path: tinygemm_decode, native_decode, dequant_prefill, bf16,
-    input_gather) and ``.loop_counts`` (forwards per loop: ``lean`` single-token steps, ``transformers`` forwards)."""
+    input_gather), ``.loop_counts`` (forwards per loop: ``lean`` single-token steps, ``transformers`` forwards) and
+    ``.attn_counts`` (attention calls of the transformers forward: ``prefill_attn_native``, ``prefill_attn_sdpa``)."""
 
     def __init__(self, *, path, model, tokenizer, config, manifest, cache, settings, path_counts, runtime, files,
-                 decoder=None):
+                 decoder=None, attn_counts: Counter | None = None):
         self.path = Path(path)
         self.model = model
         self.tokenizer = tokenizer
@@ -89,6 +93,7 @@ class LoadedModel:
         self.runtime = runtime
         self.decoder = decoder  # the lean decoder (edgeq.runtime.lean.LeanDecoder) or None
         self.loop_counts: Counter = Counter()
+        self.attn_counts: Counter = attn_counts if attn_counts is not None else Counter()
         self._files = files  # keeps the mappings alive as long as the model
         self._cache_arg = cache_kwarg(model)
 
@@ -100,6 +105,7 @@ class LoadedModel:
     def reset_counts(self) -> None:
         self.path_counts.clear()
         self.loop_counts.clear()
+        self.attn_counts.clear()
 
     @torch.inference_mode()
     def decode_step(self, token: int) -> torch.Tensor:
@@ -140,7 +146,8 @@ def cache_kwarg(model: nn.Module) -> str:
 
 def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 256 << 20, strict_layout: bool = False,
          prefill_threshold: int | None = None, dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-         decode_loop: str | None = None, verify: bool = False, decode_ops: str | None = None) -> LoadedModel:
+         decode_loop: str | None = None, verify: bool = False, decode_ops: str | None = None,
+         prefill_attn: str | None = None) -> LoadedModel:
     """Open an edgeq checkpoint (or a plain HF safetensors checkpoint as the bf16 reference). See docs/runtime.md.
 
     ``decode_loop``: "auto" (default; also ``$EDGEQ_DECODE_LOOP``) runs the lean decoder when the family is
@@ -148,6 +155,9 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     forward for every token (the comparison arm). ``decode_ops``: the ops of the lean decoder's step around the
     projections (attention, norms, RoPE), "auto" (default; also ``$EDGEQ_DECODE_OPS``: edgeq's native ops where they
     run), "native" or "torch" (bit-identical logits to the transformers forward); :func:`edgeq.runtime.lean.ops_choice`.
+    ``prefill_attn``: the attention of the transformers forward (the prefill), "auto" (default; also
+    ``$EDGEQ_PREFILL_ATTN``: edgeq's native causal kernel where it runs), "native" or "sdpa" (transformers' own);
+    :func:`edgeq.runtime.prefill_attn.install`.
 
     Always checked (cheap): every shard's size against its header, every scale and zero of the quantised modules
     finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
@@ -168,6 +178,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     files = MappedFiles(path)
     counts: Counter = Counter()
     model, swapped, attached = _build(config, files, info, counts, dtype, strict_layout)
+    attn_counts: Counter = Counter()
+    attn_used, attn_reason = prefill_attention.install(model, prefill_attn, attn_counts)
     plan, max_model_len = plan_kv(config, budget, max_model_len)
     cache = StaticKVCache(plan, dtype=dtype)
     if swapped is not None:
@@ -181,12 +193,13 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         copied_bytes=attached["copied"] + (swapped.copied_bytes if swapped else 0),
         **_path_settings(swapped), decode_loop=loop_used, decode_loop_reason=loop_reason, **_lean_settings(decoder),
         fused_mlps=fused.fuse_mlps(model), embeddings=swapped.embeddings if swapped else "bf16",
-        head_levels=swapped.head_levels if swapped else 1,
+        head_levels=swapped.head_levels if swapped else 1, prefill_attn=attn_used, prefill_attn_reason=attn_reason,
     )
     _generation_config(model, path)
     return LoadedModel(path=path, model=model, tokenizer=_tokenizer(path), config=config,
                        manifest=info.manifest if info else None, cache=cache, settings=settings, path_counts=counts,
-                       runtime=swapped.runtime if swapped else None, files=files, decoder=decoder)
+                       runtime=swapped.runtime if swapped else None, files=files, decoder=decoder,
+                       attn_counts=attn_counts)
 
 
 def _build(config, files: MappedFiles, info: QuantInfo | None, counts: Counter, dtype: torch.dtype, strict: bool):

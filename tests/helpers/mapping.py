@@ -32,9 +32,9 @@ def vm_flags(ptr: int) -> list[str] | None:
 
 def greedy_both_loops(path: str | Path, tokens: int = 32):
     """(lean model, [(ids, path counts) of the lean loop, the same of the transformers loop]) for ``tokens`` greedy
-    tokens after "Once upon a time" (prefill threshold 4, torch decode ops)."""
-    lean = load(path, prefill_threshold=4, decode_ops="torch")
-    hf = load(path, prefill_threshold=4, decode_loop="transformers")
+    tokens after "Once upon a time" (prefill threshold 4, torch decode ops, transformers' SDPA attention)."""
+    lean = load(path, prefill_threshold=4, decode_ops="torch", prefill_attn="sdpa")
+    hf = load(path, prefill_threshold=4, decode_loop="transformers", prefill_attn="sdpa")
     prompt = lean.tokenizer("Once upon a time")["input_ids"]
     runs = []
     for lm in (lean, hf):

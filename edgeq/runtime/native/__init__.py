@@ -4,7 +4,8 @@
   ``EDGEQ_W4A8_ISA``, status) both libraries share;
 - :mod:`.w4a16`: the W4A16 decode kernel ``int4_mm`` (the aten tinygemm op's signature), the layouts it reads and
   its measured prefill tiles (``prefill_tiles``);
-- :mod:`.ops`: the small decode ops in the same library (``decode_attn``, ``add_rms_norm``, ``rope_to_cache``, ``argmax_finite``);
+- :mod:`.ops`: the small ops in the same library (``decode_attn``, ``prefill_attn``, ``add_rms_norm``,
+  ``rope_to_cache``, ``argmax_finite``);
 - :mod:`.w4a8`: the W4A8 kernel ``w4a8_mm`` (its own library and namespace);
 - :mod:`.command`: both kernels' status, :func:`~edgeq.runtime.native.command.kernels_status` (``edgeq native``
   prints it: edgeq/cli/native.py).
@@ -17,7 +18,14 @@ This package's own names are the W4A16 library's (what the runtime passes around
 """
 
 from edgeq.runtime.native.build import build_or_load, cache_dir, isa_request, source_key
-from edgeq.runtime.native.ops import add_rms_norm, argmax_finite, decode_attn, rope_to_cache
+from edgeq.runtime.native.ops import (
+    add_rms_norm,
+    argmax_finite,
+    decode_attn,
+    prefill_attn,
+    prefill_attn_available,
+    rope_to_cache,
+)
 from edgeq.runtime.native.w4a16 import (
     ADJACENT,
     BLOCK_NS,
@@ -38,6 +46,6 @@ from edgeq.runtime.native.w4a16 import (
 
 __all__ = [
     "ADJACENT", "BLOCK_NS", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "argmax_finite", "available", "build_key",
-    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan",
-    "prefill_tiles", "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
+    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan", "prefill_attn",
+    "prefill_attn_available", "prefill_tiles", "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

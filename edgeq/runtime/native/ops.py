@@ -1,5 +1,6 @@
-"""The native decode ops around the projections (the lean decoder's ``decode_ops="native"``): attention over the KV
-cache, residual add + RMSNorm, RoPE + cache write. They live in the W4A16 kernel's library (:mod:`.w4a16`: its build,
+"""The native ops around the projections: for the lean decoder's ``decode_ops="native"`` attention over the KV
+cache, residual add + RMSNorm, RoPE + cache write; for the transformers forward the causal prefill attention
+(edgeq/runtime/prefill_attn.py). They live in the W4A16 kernel's library (:mod:`.w4a16`: its build,
 its ISA choice, its ``EDGEQ_NATIVE_ISA``); the C++ and the roundings are in ``edgeq/csrc/attn_*`` and
 ``edgeq/csrc/decode_ops.cpp``.
 """
@@ -25,6 +26,28 @@ def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
     st = w4a16.state()
     isa_code = w4a16.isa_code(st, isa) if st.available else 0  # unavailable: _small_op raises with the reason
     _small_op("decode_attn", q, keys, values, start, end, scale, out, isa_code)
+
+
+def prefill_attn_available(isa: str | None = None) -> bool:
+    """Whether :func:`prefill_attn` runs here: the library is available and its ISA (the process's, or ``isa``) is
+    the avx512 path or better (the kernel has no avx2 or scalar path; callers use torch's SDPA there)."""
+    st = w4a16.state()
+    return st.available and w4a16.isa_code(st, isa) >= 2
+
+
+def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
+                 isa: str | None = None) -> torch.Tensor:
+    """Causal attention of S queries over T >= S keys: bf16 [S, H, D] (a new tensor), query i at position T - S + i.
+
+    ``q`` bf16 [H, S, D] contiguous; ``keys``/``values`` bf16 [1, KVH, T, D], each row of D contiguous, heads and rows
+    strided alike (a view of the KV cache, or a fresh projection transposed); query head h attends with kv head
+    ``h // (H // KVH)``; D a multiple of 16. fp32 scores (exact bf16 products), online softmax and sums, one rounding
+    to bf16 (edgeq/csrc/attn_prefill.h has the formula and a worked example). avx512 path only
+    (:func:`prefill_attn_available`). Raises :class:`EdgeqError`.
+    """
+    st = w4a16.state()
+    isa_code = w4a16.isa_code(st, isa) if st.available else 0
+    return _small_op("prefill_attn", q, keys, values, scale, isa_code)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
