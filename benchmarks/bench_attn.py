@@ -14,8 +14,9 @@ call reads (2 x KVH x T x D x 2 bytes; 2 MB for Qwen2.5-1.5B at 2048 keys).
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_attn.py          # 2 threads on a machine others also use
 
 ``native`` is the path this process runs by default (``EDGEQ_NATIVE_ISA``), the others force one. With ``--prefill``
-a call is a whole prompt of ``context`` tokens attending causally (keys = queries, GQA), the arms ``native`` and
-``sdpa`` (``F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)`` on the same bf16 tensors), and
+a call is a whole prompt of ``context`` tokens attending causally (keys = queries, GQA), the arms ``native`` (or a
+forced ``avx512`` / ``avx2`` path) and ``sdpa`` (``F.scaled_dot_product_attention(..., is_causal=True,
+enable_gqa=True)`` on the same bf16 tensors; ``ATEN_CPU_CAPABILITY=avx2`` makes it torch's AVX2 build), and
 GB/s is replaced by GMAC/s of the causal work (H x D x T (T + 1) multiply-adds: q.k and p.v). Wall-clock time:
 on a shared machine other processes slow every arm, and the spread shows how much; it reports, it does not judge.
 """
@@ -76,14 +77,15 @@ def make_prefill_layers(shape: str, context: int, seed: int = 0):
 
 
 def run_prefill_pass(layers, arm: str) -> float:
-    """Seconds per call over one pass of every layer: the native op or torch's SDPA."""
+    """Seconds per call over one pass of every layer: torch's SDPA, or the native op on this process's ISA path
+    ("native") or a forced one ("avx512", "avx2")."""
     scale = 1 / math.sqrt(layers[0][0].shape[2])
     t0 = time.perf_counter()
     for q, k, v in layers:
         if arm == "sdpa":
             F.scaled_dot_product_attention(q[None], k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            native.prefill_attn(q, k, v, scale)
+            native.prefill_attn(q, k, v, scale, isa=None if arm == "native" else arm)
     return (time.perf_counter() - t0) / len(layers)
 
 
@@ -92,7 +94,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--contexts", default="512,2048", help="comma-separated key counts")
     ap.add_argument("--arms", default=None, help="comma-separated: native, avx512, avx2, scalar (decode; default "
-                    "native) or native, sdpa (--prefill; default both)")
+                    "native) or native, avx512, avx2, sdpa (--prefill; default native,sdpa)")
     ap.add_argument("--prefill", action="store_true", help="the causal prefill attention instead of decode's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=7)

@@ -4,8 +4,9 @@ runtime's transformers forward (edgeq/runtime/prefill_attn.py).
 The kernel computes 12 rows (query head, position) a tile, keys in blocks of 16, values in tiles of 6 rows x 64, so
 the cases cover row counts that leave a partial tile, GQA groups of 1, 4, 6, 7 and 13 (a group wider than a tile),
 head sizes 16 to 256, key counts around the blocks, queries that continue a cache (S < T) and keys read through the
-cache's strides. The bound is the decode attention's (tests/test_attn_decode.py): one bf16 rounding of an fp32
-result. The path exists on the avx512 ISA only; elsewhere the runtime keeps SDPA (tested below)."""
+cache's strides, on each ISA path this CPU has (avx512: vdpbf16ps, 16 keys a vector; avx2: fp32 FMAs, 8 keys).
+The bound is the decode attention's (tests/test_attn_decode.py): one bf16 rounding of an fp32 result. There is no
+scalar path: there, and where the library does not run, the runtime keeps SDPA (tested below)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,19 @@ import torch
 import torch.nn.functional as F
 
 from edgeq.errors import EdgeqError
-from edgeq.runtime import load
+from edgeq.runtime import load, native
 from edgeq.runtime import prefill_attn as pa
 from edgeq.runtime.native import ops
 from helpers.paths import FIXTURE
 
-native_only = pytest.mark.skipif(not ops.prefill_attn_available(), reason="no avx512 path of the native library here")
+native_only = pytest.mark.skipif(not ops.prefill_attn_available(), reason="no avx2/avx512 path of the library here")
+
+
+def _isas():
+    """The prefill attention's paths this CPU runs (none where the library does not build or run)."""
+    if not native.available():
+        return []
+    return [isa for isa in ("avx2", "avx512") if isa in native.status()["cpu_isas"]]
 
 
 def _reference(q, k, v, scale):
@@ -43,9 +51,9 @@ def _problem(H, KVH, D, S, T, cap, seed):
     return q, k, v
 
 
-def _check(q, k, v):
+def _check(q, k, v, isa=None):
     scale = 1 / math.sqrt(q.shape[2])
-    out = ops.prefill_attn(q, k, v, scale)
+    out = ops.prefill_attn(q, k, v, scale, isa=isa)
     ref = _reference(q, k, v, scale)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     bound = ref.abs() * 2.0**-8 + 1e-5 * float(ref.abs().max())
@@ -54,7 +62,7 @@ def _check(q, k, v):
     return out
 
 
-@native_only
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("H, KVH, D, S, T, cap", [
     (12, 2, 128, 512, 512, 600),   # Qwen2.5-1.5B heads, a cache view (CAP > T)
     (32, 8, 64, 300, 300, 300),    # Llama-3.2-1B heads
@@ -65,29 +73,30 @@ def _check(q, k, v):
     (12, 2, 128, 100, 700, 800),   # a continuation: 600 cached keys before the queries
     (12, 2, 128, 1, 33, 40),       # one query (a decode step through the forward)
     (8, 2, 64, 17, 17, 17),        # keys and rows just past a block / a tile
+    (8, 2, 64, 130, 130, 130),     # keys past two 64-key steps
 ])
-def test_matches_fp64_reference(H, KVH, D, S, T, cap):
+def test_matches_fp64_reference(isa, H, KVH, D, S, T, cap):
     q, k, v = _problem(H, KVH, D, S, T, cap, seed=H * 1000 + S + T)
-    out = _check(q, k, v)
+    out = _check(q, k, v, isa)
     if T == S:  # the first query sees the first key only: its output is that key's values, exactly
         rep = H // KVH
         assert torch.equal(out[0], v[0, :, 0].repeat_interleave(rep, 0))
 
 
-@native_only
-def test_strided_rows_of_a_fresh_projection():
+@pytest.mark.parametrize("isa", _isas())
+def test_strided_rows_of_a_fresh_projection(isa):
     """Without a cache, transformers hands over k and v as [1, S, KVH, D] transposed: rows KVH * D apart."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(8, 40, 64, generator=g).bfloat16()
     k = torch.randn(1, 40, 2, 64, generator=g).bfloat16().transpose(1, 2)
     v = torch.randn(1, 40, 2, 64, generator=g).bfloat16().transpose(1, 2)
     assert k.stride(2) == 128
-    out = _check(q, k, v)
-    assert torch.equal(out, ops.prefill_attn(q, k.contiguous(), v.contiguous(), 1 / 8))
+    out = _check(q, k, v, isa)
+    assert torch.equal(out, ops.prefill_attn(q, k.contiguous(), v.contiguous(), 1 / 8, isa=isa))
 
 
-@native_only
-def test_one_and_two_threads_give_the_same_bits():
+@pytest.mark.parametrize("isa", _isas())
+def test_one_and_two_threads_give_the_same_bits(isa):
     """Tiles and their key order are fixed by the shapes; threads only change who computes a tile."""
     before = torch.get_num_threads()
     try:
@@ -96,10 +105,21 @@ def test_one_and_two_threads_give_the_same_bits():
             outs = []
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                outs.append(ops.prefill_attn(q, k, v, 0.1))
+                outs.append(ops.prefill_attn(q, k, v, 0.1, isa=isa))
             assert torch.equal(outs[0], outs[1])
     finally:
         torch.set_num_threads(before)
+
+
+@native_only
+def test_paths_agree_within_the_rounding():
+    """avx2 and avx512 sum in different orders (8 vs 16 keys a vector, fp32 FMAs vs vdpbf16ps): both within one bf16
+    rounding of fp64, so within two of each other."""
+    if len(_isas()) < 2:
+        pytest.skip("one path here")
+    q, k, v = _problem(12, 2, 128, 200, 260, 300, seed=9)
+    a, b = (ops.prefill_attn(q, k, v, 0.09, isa=isa).double() for isa in ("avx2", "avx512"))
+    assert float(((a - b).abs() / b.abs().clamp_min(1e-3)).max()) <= 2.0**-7
 
 
 @native_only
@@ -111,9 +131,9 @@ def test_bad_arguments_are_refused():
     with pytest.raises(EdgeqError, match="T=4 keys for S=8 queries"):
         ops.prefill_attn(q, k, v, 0.2)
     q, k, v = _problem(4, 2, 32, 8, 8, 8, seed=1)
-    with pytest.raises(EdgeqError, match="avx512 path only"):
-        ops.prefill_attn(q, k, v, 0.2, isa="avx2")
-    assert not ops.prefill_attn_available("avx2")
+    with pytest.raises(EdgeqError, match="avx2 and avx512 paths .*, not scalar: got isa 0"):
+        ops.prefill_attn(q, k, v, 0.2, isa="scalar")
+    assert not ops.prefill_attn_available("scalar") and ops.prefill_attn_available("avx2")
 
 
 def test_causal_mask_recognised():
@@ -182,7 +202,7 @@ def test_choice_where_it_cannot_run(monkeypatch):
     """auto keeps SDPA and says why; native is an error naming the reason; a bad value names its source."""
     monkeypatch.setattr(pa.ops, "prefill_attn_available", lambda isa=None: False)
     lm = load(FIXTURE, kv_cache_bytes="1MiB")
-    assert lm.settings.prefill_attn == "sdpa" and "avx512 path" in lm.settings.prefill_attn_reason
+    assert lm.settings.prefill_attn == "sdpa" and "avx2 or avx512 path" in lm.settings.prefill_attn_reason
     with pytest.raises(EdgeqError, match="prefill_attn=native but the native prefill attention needs"):
         load(FIXTURE, kv_cache_bytes="1MiB", prefill_attn="native")
     monkeypatch.setenv("EDGEQ_PREFILL_ATTN", "flash")

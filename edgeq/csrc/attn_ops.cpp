@@ -6,7 +6,7 @@
 //   torch.ops.edgeq.prefill_attn(q bf16 [H, S, D], keys bf16 [1, KVH, T, D] (each row of D contiguous; heads and
 //                                rows strided: a view of the cache), values (same strides), scale, isa)
 //                                -> out bf16 [S, H, D]
-//                                (causal; query i at position T - S + i; avx512 path only: isa >= 2)
+//                                (causal; query i at position T - S + i; the avx2 and avx512 paths: isa >= 1)
 //
 // isa as for int4_mm: 0 scalar, 1 avx2, 2 avx512 (3, amx, runs the avx512 code: there is no tile work here).
 #include <ATen/ATen.h>
@@ -106,19 +106,22 @@ at::Tensor prefill_attn(const at::Tensor& q, const at::Tensor& keys, const at::T
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "H=", H, " query heads is not a multiple of KVH=", KVH);
   TORCH_CHECK(S > 0 && T >= S, "T=", T, " keys for S=", S, " queries: the queries must be the last S positions");
   TORCH_CHECK(D % 16 == 0 && D > 0, "head size D=", D, " is not a multiple of 16");
-  TORCH_CHECK(isa >= 2 && isa <= 3, "prefill_attn runs on the avx512 path only (isa 2 or 3), got isa ", isa);
+  TORCH_CHECK(isa >= 1 && isa <= 3, "prefill_attn has avx2 and avx512 paths (isa 1, 2 or 3), not scalar: got isa ",
+              isa);
   at::Tensor out = at::empty({S, H, D}, q.options());
-  const int64_t nb = (T + 15) / 16, G = H / KVH;
-  at::Tensor kp = at::empty({KVH * nb * (D / 2) * 16}, at::TensorOptions().dtype(at::kInt));
+  const int64_t G = H / KVH;
+  at::Tensor kp = at::empty({edgeq_attn::prefill_packed_bytes(KVH, T, D)}, at::TensorOptions().dtype(at::kByte));
   edgeq_attn::PrefillArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                             reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
                             reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
                             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                             H, KVH, S, D, T - S, keys.stride(1), keys.stride(2), static_cast<float>(scale),
-                            reinterpret_cast<const uint32_t*>(kp.data_ptr<int32_t>())};
-  uint32_t* kpw = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+                            kp.data_ptr<uint8_t>()};
+  void* kpw = kp.data_ptr<uint8_t>();
+  const bool wide = isa >= 2;
   at::parallel_for(0, KVH, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) edgeq_attn::prefill_pack_keys_avx512(a, j, T, kpw);
+    for (int64_t j = j0; j < j1; ++j)
+      wide ? edgeq_attn::prefill_pack_keys_avx512(a, j, T, kpw) : edgeq_attn::prefill_pack_keys_avx2(a, j, T, kpw);
   });
   // Tiles heaviest first (later positions see more keys), handed out one at a time: the causal work is uneven.
   const int64_t ntiles = (G * S + edgeq_attn::kPrefillRows - 1) / edgeq_attn::kPrefillRows, ntasks = KVH * ntiles;
@@ -127,8 +130,10 @@ at::Tensor prefill_attn(const at::Tensor& q, const at::Tensor& keys, const at::T
   {
     std::vector<float> scratch(need);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < ntasks; ++t)
-      edgeq_attn::prefill_tile_avx512(a, t % KVH, ntiles - 1 - t / KVH, scratch.data());
+    for (int64_t t = 0; t < ntasks; ++t) {
+      if (wide) edgeq_attn::prefill_tile_avx512(a, t % KVH, ntiles - 1 - t / KVH, scratch.data());
+      else edgeq_attn::prefill_tile_avx2(a, t % KVH, ntiles - 1 - t / KVH, scratch.data());
+    }
   }
   return out;
 }

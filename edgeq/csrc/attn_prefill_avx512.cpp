@@ -1,12 +1,15 @@
 // Prefill attention, avx512 unit (F/BW/VL/BF16 + FMA): attn_prefill.h has the math; D a multiple of 16.
 //
-// A tile holds kPrefillRows = 12 rows (query head, position). Per block of 16 keys:
-//   scores: s[r] (one zmm of 16 keys per row) += vdpbf16ps(keys' pairs (2d, 2d+1) of 16 keys, the row's pair
-//           broadcast) over d = 0 .. D/2 - 1: 12 independent accumulators, one key vector load per 12 products;
-//   softmax: per row, the scaled scores of its visible keys (later keys masked to -inf), the running max and sum;
+// A tile holds kPrefillRows = 12 rows (query head, position). Per step of kPrefillStep = 64 keys:
+//   scores:  per 16 keys, s[r] (one zmm of 16 keys per row) += vdpbf16ps(keys' pairs (2d, 2d+1), the row's pair
+//            broadcast) over d = 0 .. D/2 - 1: 12 independent accumulators, one key vector load per 12 products;
+//            scaled and stored, keys past a row's position -inf;
+//   softmax: per row, the step's running max and sum (exp16, attn_exp16.h);
 //   values:  o[r, :] = o[r, :] * exp(m - m') + sum_t p[r, t] v_t in tiles of 6 rows x 4 vectors of 16 (24 fp32
 //            accumulators), each value row widened from bf16 once per 6 rows.
-// A row's keys past its position contribute p = 0 (and alpha = 1 once the row has seen none of a block): the same
+// A step of 64 keys rather than 16 loads, rescales and stores each values tile a quarter as often: 1.2-1.6x the
+// whole op (2026-12-02, Zen 5; docs/kernel.md "Prefill attention").
+// A row's keys past its position contribute p = 0 (and alpha = 1 once the row has seen none of a step): the same
 // sums as a tile that stops at the row's own last key, so the output does not depend on which rows share a tile.
 #include <immintrin.h>
 
@@ -26,7 +29,7 @@
 namespace edgeq_attn {
 namespace {
 
-constexpr int R = kPrefillRows, RH = R / 2;
+constexpr int R = kPrefillRows, RH = R / 2, STEP = kPrefillStep;
 
 // o[h, 16c + i] = o[h, 16c + i] * alpha[h] + sum_{t < nk} p[h, t] v[t, 16c + i] for h < RH, c < NP; o's rows are
 // D floats apart, v's rows vs values.
@@ -46,7 +49,7 @@ void values_rows(const float* p, const float* alpha, const uint16_t* v, int64_t 
     }
 #pragma GCC unroll 8
     for (int h = 0; h < RH; ++h) {
-      const __m512 pb = _mm512_set1_ps(p[h * 16 + t]);
+      const __m512 pb = _mm512_set1_ps(p[h * STEP + t]);
 #pragma GCC unroll 8
       for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
     }
@@ -76,9 +79,9 @@ inline void score_rows(const uint32_t* kb, const uint16_t* const* qrow, int64_t 
 
 }  // namespace
 
-void prefill_pack_keys_avx512(const PrefillArgs& a, int64_t j, int64_t T, uint32_t* kp) {
+void prefill_pack_keys_avx512(const PrefillArgs& a, int64_t j, int64_t T, void* kp) {
   const int64_t D = a.D, half = D / 2, nb = (T + 15) / 16;
-  uint32_t* dst = kp + j * nb * half * 16;
+  uint32_t* dst = static_cast<uint32_t*>(kp) + j * nb * half * 16;
   std::memset(dst, 0, nb * half * 16 * 4);
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* row = a.k + j * a.kv_stride + t * a.row_stride;
@@ -88,60 +91,64 @@ void prefill_pack_keys_avx512(const PrefillArgs& a, int64_t j, int64_t T, uint32
 }
 
 void prefill_tile_avx512(const PrefillArgs& a, int64_t j, int64_t tile, float* scratch) {
-  const int64_t G = a.H / a.KVH, D = a.D, rows = G * a.S, r0 = tile * R;
-  const int64_t nr = rows - r0 < R ? rows - r0 : R, T = a.p0 + a.S, nb_all = (T + 15) / 16;
-  const uint16_t* qrow[R];
-  int64_t lim[R], pos[R], head[R];
-  for (int r = 0; r < R; ++r) {  // rows past the group's last repeat its last row (computed, not written)
-    const int64_t rr = r0 + (r < nr ? r : nr - 1);
-    pos[r] = rr / G;
-    head[r] = j * G + rr % G;
-    qrow[r] = a.q + (head[r] * a.S + pos[r]) * D;
-    lim[r] = a.p0 + pos[r] + 1;  // keys [0, lim) are visible
-  }
-  float* o = scratch;       // [R, D]
-  float* p = o + R * D;     // [R, 16]
-  float* alpha = p + R * 16;  // [R]
-  float* l = alpha + R;     // [R]
+  const TileRows rows = tile_rows(a, j, tile);
+  const int64_t D = a.D, nr = rows.nr, T = a.p0 + a.S, nb_all = (T + 15) / 16;
+  const uint16_t* const* qrow = rows.q;
+  const int64_t* lim = rows.lim;
+  float* o = scratch;          // [R, D]
+  float* p = o + R * D;        // [R, STEP]
+  float* alpha = p + R * STEP; // [R]
+  float* l = alpha + R;        // [R]
   float m[R];
   std::memset(o, 0, R * D * 4);
   for (int r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.f;
-  const int64_t kend = lim[R - 1], nb = (kend + 15) / 16, half = D / 2;
-  const uint32_t* kp = a.kp + j * nb_all * half * 16;
+  const int64_t kend = lim[R - 1], half = D / 2;
+  const uint32_t* kp = static_cast<const uint32_t*>(a.kp) + j * nb_all * half * 16;
   const uint16_t* vj = a.v + j * a.kv_stride;
   const __m512 scale = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 s[R];
-    score_rows(kp + b * half * 16, qrow, D, s);
+  for (int64_t k0 = 0; k0 < kend; k0 += STEP) {
+    const int64_t nk = kend - k0 < STEP ? kend - k0 : STEP, n16 = (nk + 15) / 16 * 16;
+    for (int64_t c = 0; c < nk; c += 16) {  // scores of the step, scaled; keys past a row's position -inf
+      __m512 s[R];
+      score_rows(kp + (k0 + c) * half, qrow, D, s);
+      for (int r = 0; r < R; ++r) {
+        const int64_t valid = lim[r] - k0 - c;
+        const __mmask16 keep = valid >= 16 ? 0xFFFF : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1);
+        _mm512_storeu_ps(p + r * STEP + c, _mm512_mask_mul_ps(ninf, keep, s[r], scale));
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const int64_t valid = lim[r] - 16 * b;
-      if (valid <= 0) {  // none of this block's keys is visible to the row
-        _mm512_storeu_ps(p + r * 16, _mm512_setzero_ps());
+      float* pr = p + r * STEP;
+      if (lim[r] <= k0) {  // none of the step's keys is visible to the row
+        std::memset(pr, 0, n16 * 4);
         alpha[r] = 1.f;
         continue;
       }
-      const __mmask16 keep = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-      const __m512 sv = _mm512_mask_mul_ps(ninf, keep, s[r], scale);
-      const float mn = std::fmax(m[r], _mm512_reduce_max_ps(sv));
+      __m512 mv = ninf;
+      for (int64_t c = 0; c < n16; c += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(pr + c));
+      const float mn = std::fmax(m[r], _mm512_reduce_max_ps(mv));
       alpha[r] = exp_nonpositive(m[r] - mn);  // m = -inf (no key yet): 0, and o, l are 0
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
-      _mm512_storeu_ps(p + r * 16, e);
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
+      __m512 lv = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n16; c += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + c), _mm512_set1_ps(mn)));  // -inf -> 0
+        _mm512_storeu_ps(pr + c, e);
+        lv = _mm512_add_ps(lv, e);
+      }
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(lv);
       m[r] = mn;
     }
-    const int64_t nk = kend - 16 * b < 16 ? kend - 16 * b : 16;
     for (int h0 = 0; h0 < R; h0 += RH)
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t np = D - d0 >= 64 ? 4 : (D - d0) / 16;
-        kValues[np - 1](p + h0 * 16, alpha + h0, vj + 16 * b * a.row_stride + d0, nk, a.row_stride, D,
+        kValues[np - 1](p + h0 * STEP, alpha + h0, vj + k0 * a.row_stride + d0, nk, a.row_stride, D,
                         o + h0 * D + d0);
       }
   }
   for (int r = 0; r < nr; ++r) {
-    const __m512 inv = _mm512_set1_ps(l[r]);
-    uint16_t* dst = a.out + (pos[r] * a.H + head[r]) * D;
+    const __m512 lr = _mm512_set1_ps(l[r]);
+    uint16_t* dst = a.out + (rows.pos[r] * a.H + rows.head[r]) * D;
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_div_ps(_mm512_loadu_ps(o + r * D + d), inv));
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_div_ps(_mm512_loadu_ps(o + r * D + d), lr));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)h);
     }
   }

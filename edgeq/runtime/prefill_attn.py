@@ -2,9 +2,9 @@
 causal kernel (``native.prefill_attn``, edgeq/csrc/attn_prefill.h) where it applies, torch's SDPA otherwise.
 
 Why: torch's flash-attention CPU kernel reaches ~40 GMAC/s on 2 cores for a 512-token causal prefill (Qwen2.5-1.5B
-heads: 10.5 ms a layer, 12% of a W4A16 prefill and 21% of a W4A8 one on AMD Zen 5); the native kernel takes 2.5 ms
-(docs/kernel.md, "Prefill attention"). Installed at load as a transformers attention implementation
-(``"edgeq_native"``, registered with the SDPA mask builder). A call runs natively when it is one sequence of bf16
+heads: 10.5 ms a layer, 12% of a W4A16 prefill and 21% of a W4A8 one on AMD Zen 5); the native kernel takes ~2 ms
+(docs/kernel.md, "Prefill attention"; an avx2 path for CPUs without AVX512-BF16). Installed at load as a
+transformers attention implementation (``"edgeq_native"``, registered with the SDPA mask builder). A call runs natively when it is one sequence of bf16
 heads of a multiple of 16, causal over keys that end at the last query (the mask None, or exactly that causal mask),
 without dropout, softcapping or a sliding window; every other call goes to transformers' own SDPA function, and
 ``counts`` says how many went each way (``prefill_attn_native`` / ``prefill_attn_sdpa``).
@@ -72,19 +72,25 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return out[None], None
 
 
-_registered = False
+_registered: str | None = None  # "" once registered; else why it cannot be (this transformers has no such interface)
 
 
-def _register() -> None:
+def _register() -> str:
+    """Register :func:`attention` with transformers (once): "" when done, else the reason it cannot be."""
     global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
+    if _registered is None:
+        try:
+            from transformers import AttentionInterface  # noqa: PLC0415
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
 
-    AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
+            AttentionInterface.register(NAME, attention)
+            AttentionMaskInterface.register(NAME, sdpa_mask)
+            _registered = ""
+        except (ImportError, AttributeError) as e:
+            import transformers  # noqa: PLC0415
+
+            _registered = f"transformers {transformers.__version__} has no attention registry edgeq can use ({e})"
+    return _registered
 
 
 def install(model: nn.Module, request: str | None, counts: Counter) -> tuple[str, str]:
@@ -99,12 +105,13 @@ def install(model: nn.Module, request: str | None, counts: Counter) -> tuple[str
     if current != "sdpa":
         why = f"the model runs {current} attention (transformers' choice for {model.config.model_type})"
     elif not ops.prefill_attn_available():
-        why = "the native prefill attention needs the native library's avx512 path, not available here"
+        why = "the native prefill attention needs the native library's avx2 or avx512 path, not available here"
+    else:
+        why = _register() or None
     if why is not None:
         if picked == "native":
             raise EdgeqError(f"{source}=native but {why}; use auto or sdpa")
         return current, why
-    _register()
     model.set_attn_implementation(NAME)
     for m in model.modules():
         if hasattr(m, "num_key_value_groups"):  # the attention modules: the function counts its calls on them

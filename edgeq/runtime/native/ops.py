@@ -30,9 +30,9 @@ def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
 
 def prefill_attn_available(isa: str | None = None) -> bool:
     """Whether :func:`prefill_attn` runs here: the library is available and its ISA (the process's, or ``isa``) is
-    the avx512 path or better (the kernel has no avx2 or scalar path; callers use torch's SDPA there)."""
+    avx2 or better (the kernel has no scalar path; callers use torch's SDPA there)."""
     st = w4a16.state()
-    return st.available and w4a16.isa_code(st, isa) >= 2
+    return st.available and w4a16.isa_code(st, isa) >= 1
 
 
 def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
@@ -42,7 +42,7 @@ def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scal
     ``q`` bf16 [H, S, D] contiguous; ``keys``/``values`` bf16 [1, KVH, T, D], each row of D contiguous, heads and rows
     strided alike (a view of the KV cache, or a fresh projection transposed); query head h attends with kv head
     ``h // (H // KVH)``; D a multiple of 16. fp32 scores (exact bf16 products), online softmax and sums, one rounding
-    to bf16 (edgeq/csrc/attn_prefill.h has the formula and a worked example). avx512 path only
+    to bf16 (edgeq/csrc/attn_prefill.h has the formula and a worked example). avx2 and avx512 paths, not scalar
     (:func:`prefill_attn_available`). Raises :class:`EdgeqError`.
     """
     st = w4a16.state()
