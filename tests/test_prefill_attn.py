@@ -144,6 +144,9 @@ def test_causal_mask_recognised():
     padded[:, 0] = False  # a padding mask: not the plain causal pattern
     assert not pa._causal(padded[None, None], 4, 9)
     assert not pa._causal(want[None, None].float(), 4, 9)
+    # the verdict is kept per tensor object (one forward's mask, asked by every layer): objects never share one
+    causal, pad = want[None, None].clone(), padded[None, None].clone()
+    assert [pa._causal(m, 4, 9) for m in (causal, causal, pad, pad, causal)] == [True, True, False, False, True]
 
 
 # --------------------------------------------------------------------------------------- in the runtime

@@ -21,7 +21,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx2,fma")
 
-#include "attn_exp8.h"  // after the target pragma: AVX2 code
+#include "attn_simd256.h"  // after the target pragma: AVX2 code
 
 namespace edgeq_attn {
 namespace {
@@ -90,40 +90,6 @@ inline void softmax_row(float* s, int64_t n, float* m_out, float* l_out) {
   *l_out = l;
 }
 
-// o[h * os + 8 pc + i] += sum_t p[h * ps + t] * v[t * D + 8 pc + i] for h < NH, pc < NP, t < n (in order of t).
-// Meanwhile the first npf rows of pf (the next chunk's keys) are prefetched into L2, one per key.
-template <int NH, int NP>
-void values_tile(const float* p, int64_t ps, const uint16_t* v, int64_t n, int64_t D, float* o, int64_t os,
-                 const uint16_t* pf, int64_t npf) {
-  __m256 acc[NH][NP];
-#pragma GCC unroll 8
-  for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) acc[h][c] = _mm256_loadu_ps(o + h * os + 8 * c);
-  for (int64_t t = 0; t < n; ++t) {
-    if (t < npf) prefetch_rows(pf + t * D, D * 2, false);
-    __m256 vv[NP];
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) vv[c] = widen8(v + t * D + 8 * c);
-#pragma GCC unroll 8
-    for (int h = 0; h < NH; ++h) {
-      const __m256 pb = _mm256_broadcast_ss(p + h * ps + t);
-#pragma GCC unroll 8
-      for (int c = 0; c < NP; ++c) acc[h][c] = _mm256_fmadd_ps(pb, vv[c], acc[h][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) _mm256_storeu_ps(o + h * os + 8 * c, acc[h][c]);
-}
-
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, const uint16_t*,
-                       int64_t);
-#define EDGEQ_TILES(h) &values_tile<h, 1>, &values_tile<h, 2>
-const TileFn kTiles[6][2] = {{EDGEQ_TILES(1)}, {EDGEQ_TILES(2)}, {EDGEQ_TILES(3)},
-                             {EDGEQ_TILES(4)}, {EDGEQ_TILES(5)}, {EDGEQ_TILES(6)}};
-#undef EDGEQ_TILES
 
 }  // namespace
 

@@ -26,7 +26,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
-#include "attn_exp16.h"  // after the target pragma: AVX512 code
+#include "attn_simd512.h"  // after the target pragma: AVX512 code
 
 namespace edgeq_attn {
 namespace {
@@ -115,44 +115,6 @@ inline void softmax_row(float* s, int64_t n, float* m_out, float* l_out) {
   *l_out = _mm512_reduce_add_ps(lv);
 }
 
-// o[h * os + 16 pc + i] += sum_t p[h * ps + t] * v[t * D + 16 pc + i] for h < NH, pc < NP, t < n (in order of t);
-// the last piece is masked by `last` (i < 16 lanes of it are real). Meanwhile the first npf rows of pf (the next
-// chunk's keys) are prefetched into L2, one per key.
-template <int NH, int NP>
-void values_tile(const float* p, int64_t ps, const uint16_t* v, int64_t n, int64_t D, float* o, int64_t os,
-                 __mmask16 last, const uint16_t* pf, int64_t npf) {
-  __m512 acc[NH][NP];
-#pragma GCC unroll 8
-  for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_maskz_loadu_ps(c == NP - 1 ? last : 0xFFFF, o + h * os + 16 * c);
-  for (int64_t t = 0; t < n; ++t) {
-    if (t < npf) prefetch_rows(pf + t * D, D * 2, false);
-    __m512 vv[NP];
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) {
-      const __m256i raw = _mm256_maskz_loadu_epi16(c == NP - 1 ? last : 0xFFFF, v + t * D + 16 * c);
-      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < NH; ++h) {
-      const __m512 pb = _mm512_set1_ps(p[h * ps + t]);
-#pragma GCC unroll 8
-      for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int h = 0; h < NH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) _mm512_mask_storeu_ps(o + h * os + 16 * c, c == NP - 1 ? last : 0xFFFF, acc[h][c]);
-}
-
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, __mmask16,
-                       const uint16_t*, int64_t);
-#define EDGEQ_TILES(h) &values_tile<h, 1>, &values_tile<h, 2>, &values_tile<h, 3>, &values_tile<h, 4>
-const TileFn kTiles[6][4] = {{EDGEQ_TILES(1)}, {EDGEQ_TILES(2)}, {EDGEQ_TILES(3)},
-                             {EDGEQ_TILES(4)}, {EDGEQ_TILES(5)}, {EDGEQ_TILES(6)}};
-#undef EDGEQ_TILES
 
 }  // namespace
 

@@ -4,8 +4,9 @@
 // (K[t][d] for t = 8b .. 8b + 7), and a tile's 12 queries are widened to fp32 once. Per step of 64 keys:
 //   scores: per 8 keys, s[r] += q[r, d] (broadcast) * keys' d-th values over d: 12 accumulators (14 of the 16 ymm
 //           registers), stored;
-//   softmax: as on avx512, over the step's 64 scores of each row (exp8, attn_exp8.h);
-//   values:  o[r, :] = o[r, :] * exp(m - m') + sum_t p[r, t] v_t in tiles of 6 rows x 16 values (12 accumulators).
+//   softmax: as on avx512, over the step's 64 scores of each row (exp8, attn_simd256.h);
+//   values:  o[r, :] = o[r, :] * exp(m - m') + sum_t p[r, t] v_t: the rescale, then the decode attention's values
+//            tiles (attn_simd256.h: 6 rows x 2 vectors of 8, 12 accumulators).
 // The step is 64 keys, not 8, because with 12 accumulators a values tile is loaded, rescaled and stored per step:
 // per 8 keys that traffic made the path slower than SDPA at 2048 keys (0.9x; 64 keys: docs/kernel.md).
 // fp32 products of bf16 values are exact, as vdpbf16ps's are; the sums run in another order than the avx512 unit's,
@@ -24,7 +25,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gcc 12's intrinsic headers: see attn_decode_avx512.cpp
 #pragma GCC target("avx2,fma")
 
-#include "attn_exp8.h"  // after the target pragma: AVX2 code
+#include "attn_simd256.h"  // after the target pragma: AVX2 code
 
 namespace edgeq_attn {
 namespace {
@@ -37,25 +38,12 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
-// o[h, 8c + i] = o[h, 8c + i] * alpha[h] + sum_{t < nk} p[h, t] v[t, 8c + i] for h < RH, c < 2 (16 values of D at
-// o and v); o's rows are D floats apart, p's STEP, v's vs.
-void values_rows(const float* p, const float* alpha, const uint16_t* v, int64_t nk, int64_t vs, int64_t D, float* o) {
-  __m256 acc[RH][2];
-#pragma GCC unroll 6
-  for (int h = 0; h < RH; ++h)
-    for (int c = 0; c < 2; ++c) acc[h][c] = _mm256_mul_ps(_mm256_loadu_ps(o + h * D + 8 * c), _mm256_set1_ps(alpha[h]));
-  for (int64_t t = 0; t < nk; ++t) {
-    const __m256 v0 = widen8(v + t * vs), v1 = widen8(v + t * vs + 8);
-#pragma GCC unroll 6
-    for (int h = 0; h < RH; ++h) {
-      const __m256 pb = _mm256_broadcast_ss(p + h * STEP + t);
-      acc[h][0] = _mm256_fmadd_ps(pb, v0, acc[h][0]);
-      acc[h][1] = _mm256_fmadd_ps(pb, v1, acc[h][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int h = 0; h < RH; ++h)
-    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(o + h * D + 8 * c, acc[h][c]);
+// o[r, :] *= alpha[r]: the online softmax's rescale of the rows whose max moved (alpha = 1: unchanged).
+inline void rescale(float* o, const float* alpha, int64_t D) {
+  for (int r = 0; r < R; ++r)
+    if (alpha[r] != 1.f)
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + d), _mm256_set1_ps(alpha[r])));
 }
 
 // s[r] = the 8 keys' dot products with row r's fp32 query qf[r * D ..] over D.
@@ -131,9 +119,11 @@ void prefill_tile_avx2(const PrefillArgs& a, int64_t j, int64_t tile, float* scr
       l[r] = l[r] * alpha[r] + hsum8(lv);
       m[r] = mn;
     }
-    for (int h0 = 0; h0 < R; h0 += RH)
+    rescale(o, alpha, D);
+    for (int h0 = 0; h0 < R; h0 += RH)  // the values tiles of attn_simd256.h (the decode attention's)
       for (int64_t d0 = 0; d0 < D; d0 += 16)
-        values_rows(p + h0 * STEP, alpha + h0, vj + k0 * a.row_stride + d0, nk, a.row_stride, D, o + h0 * D + d0);
+        kTiles[RH - 1][1](p + h0 * STEP, STEP, vj + k0 * a.row_stride + d0, nk, a.row_stride, o + h0 * D + d0, D,
+                          nullptr, 0);
   }
   for (int r = 0; r < rows.nr; ++r) {
     uint16_t* dst = a.out + (rows.pos[r] * a.H + rows.head[r]) * D;

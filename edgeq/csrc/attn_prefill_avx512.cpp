@@ -4,9 +4,9 @@
 //   scores:  per 16 keys, s[r] (one zmm of 16 keys per row) += vdpbf16ps(keys' pairs (2d, 2d+1), the row's pair
 //            broadcast) over d = 0 .. D/2 - 1: 12 independent accumulators, one key vector load per 12 products;
 //            scaled and stored, keys past a row's position -inf;
-//   softmax: per row, the step's running max and sum (exp16, attn_exp16.h);
-//   values:  o[r, :] = o[r, :] * exp(m - m') + sum_t p[r, t] v_t in tiles of 6 rows x 4 vectors of 16 (24 fp32
-//            accumulators), each value row widened from bf16 once per 6 rows.
+//   softmax: per row, the step's running max and sum (exp16, attn_simd512.h);
+//   values:  o[r, :] = o[r, :] * exp(m - m') + sum_t p[r, t] v_t: the rescale, then the decode attention's values
+//            tiles (attn_simd512.h: 6 rows x 4 vectors of 16, 24 fp32 accumulators, each value row widened once).
 // A step of 64 keys rather than 16 loads, rescales and stores each values tile a quarter as often: 1.2-1.6x the
 // whole op (2026-12-02, Zen 5; docs/kernel.md "Prefill attention").
 // A row's keys past its position contribute p = 0 (and alpha = 1 once the row has seen none of a step): the same
@@ -24,44 +24,20 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // gcc 12's intrinsic headers: see attn_decode_avx512.cpp
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
-#include "attn_exp16.h"  // after the target pragma: AVX512 code
+#include "attn_simd512.h"  // after the target pragma: AVX512 code
 
 namespace edgeq_attn {
 namespace {
 
 constexpr int R = kPrefillRows, RH = R / 2, STEP = kPrefillStep;
 
-// o[h, 16c + i] = o[h, 16c + i] * alpha[h] + sum_{t < nk} p[h, t] v[t, 16c + i] for h < RH, c < NP; o's rows are
-// D floats apart, v's rows vs values.
-template <int NP>
-void values_rows(const float* p, const float* alpha, const uint16_t* v, int64_t nk, int64_t vs, int64_t D, float* o) {
-  __m512 acc[RH][NP];
-#pragma GCC unroll 8
-  for (int h = 0; h < RH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_mul_ps(_mm512_loadu_ps(o + h * D + 16 * c), _mm512_set1_ps(alpha[h]));
-  for (int64_t t = 0; t < nk; ++t) {
-    __m512 vv[NP];
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * vs + 16 * c));
-      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < RH; ++h) {
-      const __m512 pb = _mm512_set1_ps(p[h * STEP + t]);
-#pragma GCC unroll 8
-      for (int c = 0; c < NP; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int h = 0; h < RH; ++h)
-#pragma GCC unroll 8
-    for (int c = 0; c < NP; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[h][c]);
+// o[r, :] *= alpha[r]: the online softmax's rescale of the rows whose max moved (alpha = 1: unchanged).
+inline void rescale(float* o, const float* alpha, int64_t D) {
+  for (int r = 0; r < R; ++r)
+    if (alpha[r] != 1.f)
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha[r])));
 }
-
-using ValuesFn = void (*)(const float*, const float*, const uint16_t*, int64_t, int64_t, int64_t, float*);
-const ValuesFn kValues[4] = {&values_rows<1>, &values_rows<2>, &values_rows<3>, &values_rows<4>};
 
 // s[r] = the 16 keys' dot products with row r's query over D (pairs of bf16 per 32-bit lane).
 inline void score_rows(const uint32_t* kb, const uint16_t* const* qrow, int64_t D, __m512* s) {
@@ -137,11 +113,12 @@ void prefill_tile_avx512(const PrefillArgs& a, int64_t j, int64_t tile, float* s
       l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(lv);
       m[r] = mn;
     }
-    for (int h0 = 0; h0 < R; h0 += RH)
+    rescale(o, alpha, D);
+    for (int h0 = 0; h0 < R; h0 += RH)  // the values tiles of attn_simd512.h (the decode attention's)
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         const int64_t np = D - d0 >= 64 ? 4 : (D - d0) / 16;
-        kValues[np - 1](p + h0 * STEP, alpha + h0, vj + k0 * a.row_stride + d0, nk, a.row_stride, D,
-                        o + h0 * D + d0);
+        kTiles[RH - 1][np - 1](p + h0 * STEP, STEP, vj + k0 * a.row_stride + d0, nk, a.row_stride, o + h0 * D + d0, D,
+                               0xFFFF, nullptr, 0);
       }
   }
   for (int r = 0; r < nr; ++r) {

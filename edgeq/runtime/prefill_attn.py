@@ -16,6 +16,7 @@ bounds both against fp64). ``prefill_attn="sdpa"`` (or ``$EDGEQ_PREFILL_ATTN=sdp
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -35,15 +36,23 @@ def _sdpa():
     return sdpa_attention_forward
 
 
+_checked: tuple = (lambda: None, False)  # (weak reference to the last mask checked, its verdict)
+
+
 def _causal(mask: torch.Tensor | None, s: int, t: int) -> bool:
     """True when ``mask`` lets query i (at position t - s + i) see exactly keys [0, t - s + i]: None (transformers
-    leaves it out when is_causal says it all) or a bool [1, 1, s, t] of that pattern."""
+    leaves it out when is_causal says it all) or a bool [1, 1, s, t] of that pattern. transformers builds one mask
+    per forward and hands it to every layer: the verdict on that tensor is kept (by weak reference) and reused."""
+    global _checked
     if mask is None:
         return s == t or s == 1
-    if mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, s, t):
-        return False
-    want = torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None]
-    return torch.equal(mask[0, 0], want)
+    if _checked[0]() is mask:
+        return _checked[1]
+    ok = mask.dtype == torch.bool and tuple(mask.shape) == (1, 1, s, t)
+    if ok:
+        ok = torch.equal(mask[0, 0], torch.arange(t)[None, :] <= torch.arange(t - s, t)[:, None])
+    _checked = (weakref.ref(mask), ok)
+    return ok
 
 
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
