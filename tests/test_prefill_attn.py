@@ -201,6 +201,23 @@ def test_calls_it_does_not_fit_go_to_sdpa_unchanged():
     assert float((got.double() - ref.transpose(1, 2)).abs().max()) < 0.02
 
 
+@native_only
+def test_sliding_window_layers_native_only_within_their_window(tmp_path):
+    """Mistral with a 16-token window: a prompt of 12 tokens is plain causal in every layer (native); a prompt of 40
+    needs the window's mask (SDPA, unchanged); both within the tolerance of the SDPA forward."""
+    from helpers.models import save_hf, tiny_model
+
+    path = save_hf(tiny_model("mistral", sliding_window=16), tmp_path / "mistral-window")
+    ours, ref = load(path, kv_cache_bytes="1MiB"), load(path, kv_cache_bytes="1MiB", prefill_attn="sdpa")
+    layers = ours.config.num_hidden_layers
+    for n, want in ((12, {"prefill_attn_native": layers}), (40, {"prefill_attn_sdpa": layers})):
+        ids = torch.arange(3, 3 + n)[None]
+        ours.reset_counts()
+        a, b = ours.forward(ids, use_cache=False), ref.forward(ids, use_cache=False)
+        assert ours.attn_counts == want
+        assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) <= 0.02
+
+
 def test_choice_where_it_cannot_run(monkeypatch):
     """auto keeps SDPA and says why; native is an error naming the reason; a bad value names its source."""
     monkeypatch.setattr(pa.ops, "prefill_attn_available", lambda isa=None: False)

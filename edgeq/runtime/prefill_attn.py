@@ -4,10 +4,11 @@ causal kernel (``native.prefill_attn``, edgeq/csrc/attn_prefill.h) where it appl
 Why: torch's flash-attention CPU kernel reaches ~40 GMAC/s on 2 cores for a 512-token causal prefill (Qwen2.5-1.5B
 heads: 10.5 ms a layer, 12% of a W4A16 prefill and 21% of a W4A8 one on AMD Zen 5); the native kernel takes ~2 ms
 (docs/kernel.md, "Prefill attention"; an avx2 path for CPUs without AVX512-BF16). Installed at load as a
-transformers attention implementation (``"edgeq_native"``, registered with the SDPA mask builder). A call runs natively when it is one sequence of bf16
-heads of a multiple of 16, causal over keys that end at the last query (the mask None, or exactly that causal mask),
-without dropout, softcapping or a sliding window; every other call goes to transformers' own SDPA function, and
-``counts`` says how many went each way (``prefill_attn_native`` / ``prefill_attn_sdpa``).
+transformers attention implementation (``"edgeq_native"``, registered with the SDPA mask builder). A call runs
+natively when it is one sequence of bf16 heads of a multiple of 16, causal over keys that end at the last query (the
+mask None, or exactly that causal mask), without dropout or softcapping, and with no sliding window narrower than its
+keys; every other call goes to transformers' own SDPA function, and ``counts`` says how many went each way
+(``prefill_attn_native`` / ``prefill_attn_sdpa``).
 
 Numerics: fp32 scores (exact bf16 products), fp32 online softmax and sums, one rounding to bf16: the same math as
 SDPA's, summed in another order, so logits are close to the SDPA forward's, not bit-equal (tests/test_prefill_attn.py
@@ -66,7 +67,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     fits = (b == 1 and query.dtype == key.dtype == value.dtype == torch.bfloat16 and d % 16 == 0 and t >= s
             and key.shape[1] > 0 and h % key.shape[1] == 0 and value.shape == key.shape and not dropout
             and is_causal is not False and getattr(module, "is_causal", True)
-            and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+            and kwargs.get("softcap") is None and (kwargs.get("sliding_window") or t) >= t  # a window as wide: causal
             and kwargs.get("position_bias") is None and not kwargs.get("output_attentions")
             and key.stride(3) == value.stride(3) == 1 and key.stride(2) == value.stride(2)
             and key.stride(1) == value.stride(1) and _causal(attention_mask, s, t))
