@@ -17,7 +17,7 @@ import pytest
 
 from edgeq.convert.pipeline import convert
 from edgeq.inspect.report import inspect_checkpoint
-from helpers.checkpoints import avx2_like_layout, dir_digest
+from helpers.checkpoints import dir_digest, foreign_layout
 from helpers.cli import run_cli
 from helpers.models import save_tiny
 from helpers.paths import FIXTURE
@@ -208,7 +208,7 @@ def test_repack_commit_is_fsynced_too(model, tmp_path, monkeypatch):
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
-    assert repack(q, layout=avx2_like_layout()).changed
+    assert repack(q, layout=foreign_layout()).changed
     tmp = f"{tmp_path}/.q.edgeq-repack-{os.getpid()}"
     assert {tmp, *(f"{tmp}/{f.name}" for f in q.iterdir())} <= set(synced) and str(tmp_path) in synced
 

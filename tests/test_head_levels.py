@@ -24,7 +24,7 @@ from edgeq.layouts import tinygemm as tg
 from edgeq.runtime import generate_ids, load, repack
 from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.runtime.qlinear import Int4Linear, make_runtime, scratch_for
-from helpers.checkpoints import avx2_like_layout, dir_digest
+from helpers.checkpoints import dir_digest, foreign_layout
 from helpers.cli import run_cli
 from helpers.embeddings import TABLE, dequantized_level, reference_table
 from helpers.mapping import greedy_both_loops
@@ -314,9 +314,7 @@ def test_foreign_layout_repacks_the_level_with_the_head(ckpts, tmp_path):
     """Packed for another machine: the residual is repacked in memory with the head (the kernel reads only this
     machine's layout) and the lookup shares that copy; logits and E are the native checkpoint's, bit for bit."""
     here = tg.probe()
-    other = avx2_like_layout()
-    if other.is_compatible(here):
-        other = tg.TinygemmLayout(block_n=64, perms=tuple((s, tuple(range(s))) for s in range(16, 65, 16)))
+    other = foreign_layout()
     foreign = tmp_path / "foreign"
     repack(ckpts[2], foreign, layout=other)
     native = load(ckpts[2], max_model_len=64, prefill_threshold=8)

@@ -21,7 +21,8 @@ from edgeq.runtime import LayoutRepackWarning, SamplingParams, generate, load, p
 from edgeq.cli.generate import generate_command
 from edgeq.runtime.embedding import PackedEmbedding
 from edgeq.runtime.generation import Generation, encode_prompt
-from helpers.checkpoints import avx2_like_layout, prose_checkpoint, quantize, synthetic_checkpoint, write_reference
+from helpers.checkpoints import (adjacent_layout, avx2_like_layout, foreign_layout, prose_checkpoint, quantize,
+                                 synthetic_checkpoint, write_reference)
 from helpers.models import ARCHS, save_hf, tiny_model
 from helpers.paths import FIXTURE
 
@@ -162,7 +163,7 @@ def test_foreign_layout_is_repacked_with_warning_or_refused(ckpts, tmp_path):
     foreign = tmp_path / "avx2"
     # valid bytes of another machine + a consistent manifest: AVX2-style, or 64-row adjacent blocks where AVX2's is
     # this machine's own layout (ATEN_CPU_CAPABILITY=avx2)
-    layout = avx2_like_layout() if not avx2_like_layout().is_compatible(tinygemm.probe()) else _adjacent_layout(64)
+    layout = foreign_layout()
     report = repack(q, foreign, layout=layout)
     # 7 linears a layer x 2 layers, the head, and the packed table's two levels (Qwen2 here is untied:
     # model.embed_tokens at the head's G + model.embed_tokens.residual)
@@ -388,15 +389,11 @@ def test_parse_bytes_rejects(text):
         parse_bytes(text)
 
 
-def _adjacent_layout(block_n: int) -> tinygemm.TinygemmLayout:
-    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple((s, tuple(range(s))) for s in range(16, block_n + 1, 16)))
-
-
 def _odd_layout() -> tinygemm.TinygemmLayout:  # a permutation neither "halves" nor "adjacent": the general unpack
     return tinygemm.TinygemmLayout(block_n=32, perms=((16, tuple(range(16))), (32, tuple(reversed(range(32))))))
 
 
-@pytest.mark.parametrize("layout_fn", [tinygemm.probe, avx2_like_layout, lambda: _adjacent_layout(32), _odd_layout],
+@pytest.mark.parametrize("layout_fn", [tinygemm.probe, avx2_like_layout, lambda: adjacent_layout(32), _odd_layout],
                          ids=["here", "avx2-halves", "adjacent", "general"])
 def test_prefill_dequant_is_exact_for_every_layout_kind(layout_fn):
     from edgeq.runtime.qlinear import Int4Linear, Runtime, scratch_for

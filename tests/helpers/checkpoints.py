@@ -154,6 +154,18 @@ def avx2_like_layout() -> tinygemm.TinygemmLayout:
     )
 
 
+def adjacent_layout(block_n: int) -> tinygemm.TinygemmLayout:
+    """Blocks of `block_n` rows, every tail and block in natural order (no CPU packs this: foreign everywhere)."""
+    return tinygemm.TinygemmLayout(block_n=block_n, perms=tuple((s, tuple(range(s))) for s in range(16, block_n + 1, 16)))
+
+
+def foreign_layout() -> tinygemm.TinygemmLayout:
+    """A layout this machine's kernel does not read: the AVX2 one, except on an AVX2 machine (a Zen 3, say), where
+    that one is native and the adjacent 64-row layout stands in."""
+    avx2 = avx2_like_layout()
+    return adjacent_layout(64) if avx2.is_compatible(tinygemm.probe()) else avx2
+
+
 _CACHE: dict[str, Path] = {}
 CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
