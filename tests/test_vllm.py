@@ -176,6 +176,20 @@ def test_runtime_decode_matches_its_full_forward_under_this_transformers(fixture
 
 
 @needs_vllm
+@pytest.mark.parametrize("engine_first", [False, True], ids=["alone", "after-vllm-kernels"])
+def test_choosing_the_w4a8_kernel_beside_vllm_keeps_the_process_alive(engine_first):
+    """With vLLM installed, the W4A8 kernel choice must not import a vLLM build this CPU cannot run (SIGILL at import
+    on a CPU without AVX512-BF16) nor a second one after vLLM's engine loaded its own (abort: a second
+    TORCH_LIBRARY(_C)); both killed vLLM's workers on a Zen 3. In a child: a dead process is the failure."""
+    pre = "from vllm.platforms import current_platform; current_platform.import_kernels(); " if engine_first else ""
+    code = pre + "from edgeq.runtime import w4a8linear as w; print('SOURCE', w.choose_kernel(128).source)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    source = proc.stdout.split("SOURCE ")[-1].strip()
+    assert source.startswith("edgeq native") or source in ("vllm._C", "portable"), proc.stdout
+
+
+@needs_vllm
 def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(checkpoints, tmp_path):
     """The quant config finds the packed table (by vLLM's prefix; Llama's empty one names the only packed table),
     reads a tied level 0 from the head layer and the residual from the embedding layer itself; a bf16 checkpoint

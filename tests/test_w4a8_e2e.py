@@ -269,6 +269,20 @@ def test_compiled_kernel_is_used_only_after_agreeing_on_the_probe():
     assert counts == Counter({"w4a8_kernel": 1})
 
 
+def test_external_ops_are_tried_only_where_importing_them_is_safe():
+    """vllm._C kills the process with SIGILL at import on a CPU without AVX512-BF16 (seen on a Zen 3), and a second
+    import after vLLM's engine loaded one of its _C builds aborts it (a second TORCH_LIBRARY(_C)): the plan must
+    avoid both, and use an op that is registered already."""
+    plan = w4a8linear.external_plan
+    bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    assert plan(frozenset({"avx2", "fma"}), frozenset()) == []
+    assert plan(frozenset({"avx2", "avx512f", "avx512_vnni"}), frozenset({"_C::int4_scaled_mm_cpu"})) == []
+    assert plan(bf16, frozenset()) == [("sgl_kernel", "sgl_kernel", "sgl_kernel"), ("vllm._C", "vllm._C", "_C")]
+    assert plan(bf16, frozenset({"_C::rms_norm"})) == [("sgl_kernel", "sgl_kernel", "sgl_kernel")]
+    assert plan(bf16, frozenset({"_C::rms_norm", "_C::int4_scaled_mm_cpu", "sgl_kernel::x"})) == [
+        ("vllm._C", None, "_C")]
+
+
 # --- refusals ----------------------------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from edgeq import cpu
 from edgeq.cpu import has_vnni
 from edgeq.errors import EdgeqError
 from edgeq.io import skeleton
@@ -69,19 +70,51 @@ def native_candidate() -> tuple[tuple[str, Callable] | None, str]:
     return (native_w4a8.source_name(), native_w4a8.w4a8_mm), ""
 
 
+EXTERNAL_OPS = (("sgl_kernel", "sgl_kernel", "sgl_kernel"), ("vllm._C", "vllm._C", "_C"))  # (source, module, ns)
+
+
+def external_plan(flags: frozenset[str], op_names: frozenset[str]) -> list[tuple[str, str | None, str]]:
+    """Which external ``int4_scaled_mm_cpu`` ops may be tried here, as (source, module to import or None, namespace).
+
+    Both packages' CPU builds of this op need AVX512-BF16 (vLLM itself imports ``vllm._C`` only there; its
+    ``_C_AVX2`` / ``_C_AVX512`` builds have no such op), and importing ``vllm._C`` on a CPU without it kills the
+    process with SIGILL at import, which no ``except`` catches: without ``avx512_bf16`` nothing is tried. And when ops
+    of the ``_C`` namespace are registered already (vLLM's engine loaded one of its builds), importing ``vllm._C``
+    again aborts the process (a second ``TORCH_LIBRARY(_C)``): then the registered op is used if there is one, and
+    nothing is imported. ``op_names`` is ``torch._C._dispatch_get_all_op_names()``.
+
+        >>> external_plan(frozenset({"avx2"}), frozenset())                       # a Zen 3: nothing
+        []
+        >>> external_plan(frozenset({"avx512_bf16"}), frozenset({"_C::rms_norm"}))  # _C loaded, without the op
+        [('sgl_kernel', 'sgl_kernel', 'sgl_kernel')]
+    """
+    if "avx512_bf16" not in flags:
+        return []
+    plan = []
+    for source, module, ns in EXTERNAL_OPS:
+        if any(n.startswith(f"{ns}::") for n in op_names):
+            if f"{ns}::int4_scaled_mm_cpu" in op_names:
+                plan.append((source, None, ns))
+            continue
+        plan.append((source, module, ns))
+    return plan
+
+
 def compiled_candidates() -> list[tuple[str, Callable]]:
     """Available compiled W4A8 ops as (source, op), best first: edgeq's native op (already in the portable path's
-    signature), then importable ``int4_scaled_mm_cpu`` ops (sglang / vLLM argument order). External packages are
-    imported only when installed (``find_spec``), and any failure there means "not available", never an exception."""
+    signature), then ``int4_scaled_mm_cpu`` ops (sglang / vLLM argument order) where :func:`external_plan` allows.
+    External packages are imported only when installed (``find_spec``), and any failure there means "not available",
+    never an exception."""
     found = []
     native, _ = native_candidate()
     if native is not None:
         found.append(native)
-    for source, module, ns in (("sgl_kernel", "sgl_kernel", "sgl_kernel"), ("vllm._C", "vllm._C", "_C")):
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            continue
+    for source, module, ns in external_plan(cpu.flags(), frozenset(torch._C._dispatch_get_all_op_names())):
         try:
-            importlib.import_module(module)
+            if module is not None:
+                if importlib.util.find_spec(module.split(".")[0]) is None:
+                    continue
+                importlib.import_module(module)
             found.append((source, getattr(getattr(torch.ops, ns), "int4_scaled_mm_cpu")))
         except Exception:  # noqa: BLE001 - a broken or CPU-less build is simply not available
             continue
