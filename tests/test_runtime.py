@@ -255,7 +255,9 @@ def test_crossover_is_measured_then_cached(ckpts, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path))
     q, _ = ckpts["llama"]
     first = load(q, kv_cache_bytes="1MiB")
-    assert first.settings.crossover_source == "measured" and 2 <= first.settings.prefill_crossover <= 1024
+    from edgeq.runtime.crossover import NEVER
+    x = first.settings.prefill_crossover  # measured: an M in [2, 1024], or NEVER where the kernel wins at every M
+    assert first.settings.crossover_source == "measured" and (2 <= x <= 1024 or x == NEVER), x
     assert not first.path_counts  # the probe's calls are not counted as the model's
     table = json.loads((tmp_path / "crossover.json").read_text())
     assert list(table.values()) == [first.settings.prefill_crossover]
@@ -435,8 +437,12 @@ def test_crossover_solve_meets_the_lines_and_checks_an_extrapolation():
     calls = []
     assert crossover.solve(_linear_times((0.10, 0.050), (1.00, 0.010), calls)) == 22
     assert {m for _, m in calls} == {crossover.M_SMALL, crossover.M_LARGE}
-    # the kernel is never slower per row: it is used up to the probe's ceiling
-    assert crossover.solve(_linear_times((0.10, 0.010), (1.00, 0.010))) == crossover.HIGH
+    # the kernel is never slower per row and faster at M = 0: never the dequantise path (an AVX2-only CPU, where the
+    # bf16 GEMM is ~100x the kernel's time); slower at M = 0 but not per row: up to the probe's ceiling
+    assert crossover.solve(_linear_times((0.10, 0.010), (1.00, 0.010))) == crossover.NEVER
+    assert crossover.solve(_linear_times((0.10, 0.010), (1.00, 0.500))) == crossover.NEVER
+    assert crossover.solve(_linear_times((1.00, 0.010), (0.10, 0.010))) == crossover.HIGH
+    assert crossover.describe(crossover.NEVER) == "never" and crossover.describe(512) == "M >= 512"
     # lines meet at 450 (beyond M_LARGE = 64), but the kernel's per-row cost falls at large M (it tiles x): it still
     # wins at 450 (4.24 vs 6.17 ms), not at 900 (8.29 vs 7.97), so the crossover is 900, every claim beyond M_LARGE timed
     kernel = (lambda m: 0.0 + 0.012 * m if m <= 64 else 0.768 + 0.009 * (m - 64), None)

@@ -8,6 +8,12 @@ import json
 from dataclasses import asdict
 
 from edgeq.bench.records import ArmSummary, BenchReport, ConvertBench, Stat
+from edgeq.runtime.crossover import describe as describe_crossover
+
+
+def _crossover(m) -> str:
+    """``at M >= 512``, ``never`` (the kernel runs every prefill), ``at M >= None`` (one path for every M)."""
+    return "never" if isinstance(m, int) and describe_crossover(m) == "never" else f"at M >= {m}"
 
 
 def _mib(n: float) -> str:
@@ -100,8 +106,8 @@ def _settings_line(s: ArmSummary) -> str:
     native = e.get("native") or {}
     return (f"{e.get('scheme') or 'bf16'}; max_model_len {e.get('max_model_len')}, KV {_mib(e.get('kv_cache_bytes', 0))} "
             f"of {_mib(e.get('kv_cache_budget', 0))} budget, threads {e.get('threads_now')}, decode {e.get('decode_path')}"
-            f"{' (' + str(native.get('isa')) + ')' if native else ''}, prefill {e.get('prefill_path')} at M >= "
-            f"{e.get('prefill_crossover')} ({e.get('crossover_source')}), layout {e.get('layout')}")
+            f"{' (' + str(native.get('isa')) + ')' if native else ''}, prefill {e.get('prefill_path')} "
+            f"{_crossover(e.get('prefill_crossover'))} ({e.get('crossover_source')}), layout {e.get('layout')}")
 
 
 def _render_memory(s: ArmSummary, out) -> None:

@@ -24,6 +24,12 @@ from edgeq.env import cache_dir
 
 M_SMALL, M_LARGE = 8, 64
 LOW, HIGH = 2, 1024
+NEVER = 1 << 30  # the dequantise path is slower at every M: the kernel runs every prefill (e.g. AVX2-only CPUs)
+
+
+def describe(m: int) -> str:
+    """``M >= 512`` for a crossover, ``never`` for :data:`NEVER` (how settings and reports print it)."""
+    return "never" if m >= NEVER else f"M >= {m}"
 
 
 def cache_capability() -> str:
@@ -33,7 +39,8 @@ def cache_capability() -> str:
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
-KEY_VERSION = "v3"  # v2: extrapolated crossovers are checked; v3: keyed by the native kernel's build, ISA and tiles
+KEY_VERSION = "v4"  # v2: extrapolated crossovers are checked; v3: keyed by the native kernel's build, ISA and tiles;
+# v4: NEVER where the kernel wins per row and at M = 0 (v3 cached HIGH there)
 
 
 def _kernel(path: str) -> str:
@@ -74,8 +81,10 @@ def solve(time_at) -> int:
         slope = max((t_large - t_small) / (M_LARGE - M_SMALL), 1e-12)
         lines.append((t_small - slope * M_SMALL, slope))
     (ka, kb), (da, db) = lines
-    if kb <= db:  # the kernel is never slower per row: use it everywhere the probe can see
-        return HIGH
+    if kb <= db:  # the kernel is never slower per row: it wins at every M when it also wins at M = 0
+        # (on an AVX2-only Zen 3 the bf16 GEMM behind the dequantise path was ~100x the kernel's time at M = 512;
+        # HIGH here once sent every prompt of 1024+ tokens down that path)
+        return NEVER if ka <= da else HIGH
     m = int(min(HIGH, max(LOW, round((da - ka) / (kb - db)))))
     while M_LARGE < m < HIGH and time_at("kernel", m) < time_at("dequant", m):
         m = min(HIGH, 2 * m)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from edgeq.errors import DamagedCheckpointError, EdgeqError
-from edgeq.runtime import native
+from edgeq.runtime import crossover, native
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def describe_paths(s) -> str:
     """``w4a16-g128, decode native_decode, prefill dequant_prefill (M >= 16)`` from RuntimeSettings; a bf16 model
     has no crossover, so none is printed; a packed embedding is named (``, embeddings packed 4-bit (...)``), and a
     head that sums the table's residual level too (``, head levels 2``)."""
-    xover = f" (M >= {s.prefill_crossover})" if s.prefill_crossover is not None else ""
+    xover = f" ({crossover.describe(s.prefill_crossover)})" if s.prefill_crossover is not None else ""
     emb = f", embeddings {s.embeddings}" if s.embeddings != "bf16" else ""
     emb += f", head levels {s.head_levels}" if s.head_levels != 1 else ""
     return f"{s.scheme or 'bf16'}, decode {s.decode_path}, prefill {s.prefill_path}{xover}{emb}"

@@ -20,6 +20,7 @@ from torch import nn
 from edgeq.errors import EdgeqError
 from edgeq.io import skeleton
 from edgeq.layouts.base import get
+from edgeq.runtime.crossover import NEVER as NEVER_CROSSOVER
 from edgeq.runtime.embedding import swap_embeddings
 
 
@@ -55,6 +56,8 @@ class SwapResult:
         x = self.prefill_crossover
         if x is None:
             return ((self.scheme, f"{self.decode_path} (all M)"),)
+        if x >= NEVER_CROSSOVER:
+            return ((self.scheme, f"{self.decode_path} (all M; {self.prefill_path} never)"),)
         return ((self.scheme, f"{self.decode_path} (M < {x}) + {self.prefill_path} (M >= {x})"),)
 
 
