@@ -50,7 +50,7 @@ class RuntimeSettings:
     kernel_paths: tuple[tuple[str, str], ...]  # (scheme, "decode path + prefill path")
     decode_path: str
     prefill_path: str
-    prefill_crossover: int | None  # M at and above which the dequant path runs
+    prefill_crossover: int | None  # M at and above which the dequant path runs (crossover.NEVER: it never does)
     crossover_source: str  # "override" | "measured" | "cached" | "n/a"
     layout: str  # "native" | "repacked" | "n/a"
     layout_hash: str | None
