@@ -8,12 +8,12 @@ import json
 from dataclasses import asdict
 
 from edgeq.bench.records import ArmSummary, BenchReport, ConvertBench, Stat
-from edgeq.runtime.crossover import describe as describe_crossover
+from edgeq.runtime.crossover import NEVER as NEVER_CROSSOVER
 
 
 def _crossover(m) -> str:
     """``at M >= 512``, ``never`` (the kernel runs every prefill), ``at M >= None`` (one path for every M)."""
-    return "never" if isinstance(m, int) and describe_crossover(m) == "never" else f"at M >= {m}"
+    return "never" if isinstance(m, int) and m >= NEVER_CROSSOVER else f"at M >= {m}"
 
 
 def _mib(n: float) -> str:
