@@ -14,6 +14,7 @@ arms 10-20x slower than 1 thread); run with OMP_WAIT_POLICY=PASSIVE there (print
                                                               # arms aten, native, read (the memory roof)
     python benchmarks/bench_kernel.py --arms aten,avx512,avx2 --m 1 --passes 7 --json /tmp/kernel.json
     python benchmarks/bench_kernel.py --model llama-3.2-1b
+    python benchmarks/bench_kernel.py --arms avx2:narrow,avx2 --m 8,512   # ISA:TILES -> native.int4_mm(prefill=TILES)
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_kernel.py   # on a machine other processes also use
 """
 
@@ -73,8 +74,9 @@ def arm_fn(arm: str, group: int):
         return lambda x, qw, sz: tinygemm.mm(x, qw, group, sz)
     if arm == "read":
         return _read
-    isa = None if arm == "native" else arm
-    return lambda x, qw, sz: native.int4_mm(x, qw, group, sz, isa=isa)
+    isa, _, tiles = arm.partition(":")  # e.g. avx2:narrow, avx512:fp32 (native.int4_mm's prefill=)
+    isa = None if isa == "native" else isa
+    return lambda x, qw, sz: native.int4_mm(x, qw, group, sz, isa=isa, prefill=tiles or None)
 
 
 def run_pass(fn, mats, xs) -> tuple[float, float]:

@@ -62,8 +62,10 @@ def ready():
 
 
 def paths(ready):
-    """(isa, prefill tiles) for every path this CPU runs: the avx512 path with each kind of M > 8 tiles."""
-    return [(isa, t) for isa in ready["cpu_isas"] for t in (("bf16", "fp32") if isa == "avx512" else (None,))]
+    """(isa, prefill tiles) for every path this CPU runs: the avx512 path with each kind of M > 8 tiles, the avx2 path
+    with its 6-row prefill tiles (the default from M = 3) and with its 2-row tiles at every M ("narrow")."""
+    kinds = {"avx512": ("bf16", "fp32"), "avx2": (None, "narrow")}
+    return [(isa, t) for isa in ready["cpu_isas"] for t in kinds.get(isa, (None,))]
 
 
 @pytest.fixture(scope="session")
@@ -154,13 +156,32 @@ def test_fp32_prefill_rows_do_not_depend_on_the_split(ready, here):
     assert float((big != bf16).double().mean()) <= 0.02
 
 
+@pytest.mark.parametrize("layout", ["here", "avx2-block32"])
+def test_avx2_prefill_tiles_equal_the_two_row_tiles(ready, here, layout):
+    """The avx2 path's 6-row prefill tiles (M >= 3) sum each output in k order in one fp32 chain per group, exactly as
+    its 2-row tiles do: every M from 1 to 14 and 37 (full tiles of 6 and every remainder), on blocks of 64 and 32 rows,
+    gives the same bits both ways, and a 37-row call equals its rows computed in calls of 2, 5 and 30."""
+    if "avx2" not in ready["cpu_isas"]:
+        pytest.skip("no avx2 here")
+    lay = AVX2_MACHINE if layout == "avx2-block32" else (here if here.block_n == 64 else make_layout(64, halves(64)))
+    x, qw, sz, ref, bound = problem(37, 256 + 64, 768, 64, seed=11, layout=lay)
+    for m in (*range(1, 15), 37):
+        wide = native.int4_mm(x[:m], qw, 64, sz, layout=lay, isa="avx2")
+        narrow = native.int4_mm(x[:m], qw, 64, sz, layout=lay, isa="avx2", prefill="narrow")
+        assert torch.equal(wide, narrow), m
+    big = native.int4_mm(x, qw, 64, sz, layout=lay, isa="avx2")
+    parts = torch.cat([native.int4_mm(x[a:b], qw, 64, sz, layout=lay, isa="avx2") for a, b in ((0, 2), (2, 7), (7, 37))])
+    assert torch.equal(big, parts)
+    assert excess(big, ref, bound) <= 1.0
+
+
 def test_prefill_tiles_measured_and_bad_kind_refused(ready):
     """The process's choice is one of the two kinds (measured: which one depends on the CPU), and a kind that does not
     exist is an EdgeqError naming it."""
     assert native.prefill_tiles() in (("bf16", "fp32") if "avx512" in ready["cpu_isas"] else (None,))
     x = torch.zeros(9, 256, dtype=torch.bfloat16)
     qw, sz = torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.bfloat16)
-    with pytest.raises(EdgeqError, match="prefill='int8' is not one of bf16, fp32"):
+    with pytest.raises(EdgeqError, match="prefill='int8' is not one of bf16, fp32, narrow"):
         native.int4_mm(x, qw, 128, sz, prefill="int8")
 
 

@@ -33,7 +33,14 @@ struct Int4Args {
   // avx512 path only: the fp32-FMA tiles instead of the bf16-pair ones (int4mm_avx512.cpp; the op sets it for M > 8
   // when measured faster here, or when asked).
   bool f32_prefill = false;
+  // avx2 path only: x in fp32, k-major within tiles of kWideTile rows (row m0 + m of the tile at m0: xt[m0 K + k MT +
+  // m], MT = the tile's rows, kWideTile except the last): set by the op for M >= kWideMin, and then the 6-row
+  // prefill tiles run (int4mm_avx2.cpp); null: the 2-row tiles (M < kWideMin, or asked: the op's tile code 3).
+  const float* xt = nullptr;
 };
+
+constexpr int kWideTile = 6;
+constexpr int64_t kWideMin = 3;
 
 // Software prefetch distance for the weight stream, in bytes (measured: 4-16 KB all ~1.4x better than none at M=1 on
 // DRAM-resident weights; the hardware prefetcher alone leaves the vector units waiting).

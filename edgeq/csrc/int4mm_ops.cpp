@@ -86,10 +86,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
               "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
               scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
   TORCH_CHECK(full_mode == 0 || full_mode == 1, "full_mode must be 0 (halves) or 1 (adjacent)");
-  // isa's bits 4-5: the avx512 path's tiles for M > 8 (0 measured: prefill_choice, 1 bf16 pairs, 2 fp32).
+  // isa's bits 4-5: the avx512 path's tiles for M > 8 (0 measured: prefill_choice, 1 bf16 pairs, 2 fp32); 3: the
+  // avx2 path's 2-row tiles at every M (its 6-row prefill tiles otherwise; the avx512 path measures its choice).
   const int64_t tiles = isa >> 4;
   isa &= 15;
-  TORCH_CHECK(tiles >= 0 && tiles <= 2, "isa bits 4-5 (prefill tiles) must be 0, 1 or 2");
+  TORCH_CHECK(tiles >= 0 && tiles <= 3, "isa bits 4-5 (prefill tiles) must be 0, 1, 2 or 3");
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
   TORCH_CHECK(isa == 0 || (cpu_features() & (1 << (isa - 1))), "this CPU lacks the instructions of isa ", isa);
 
@@ -127,7 +128,19 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<at::BFloat16>()),
              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              M, N, K, group_size};
-  a.f32_prefill = isa == 2 && M > 8 && (tiles ? tiles : prefill_choice()) == 2;
+  a.f32_prefill = isa == 2 && M > 8 && (tiles == 1 || tiles == 2 ? tiles : prefill_choice()) == 2;
+  // The avx2 path's prefill tiles read x k-major per tile of kWideTile rows (int4mm.h, Int4Args::xt).
+  std::vector<float> xt(isa == 1 && tiles != 3 && M >= edgeq::kWideMin ? M * K : 0);
+  if (!xt.empty()) {
+    at::parallel_for(0, (M + edgeq::kWideTile - 1) / edgeq::kWideTile, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m0 = t * edgeq::kWideTile, mt = std::min<int64_t>(edgeq::kWideTile, M - m0);
+        for (int64_t m = 0; m < mt; ++m)
+          for (int64_t k = 0; k < K; ++k) xt[m0 * K + k * mt + m] = xf[(m0 + m) * K + k];
+      }
+    });
+    a.xt = xt.data();
+  }
   const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
   const int64_t tail_mode = (tail_modes >> (tail / 16)) & 1;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {

@@ -181,6 +181,8 @@ def int4_mm(
     what ``edgeq quantize`` wrote here); ``isa`` overrides the process's ISA choice for one call (tests, benchmarks).
     ``prefill`` picks the avx512 path's tiles for M > 8 for one call: ``"bf16"`` (vdpbf16ps on bf16 pairs) or
     ``"fp32"`` (fp32 FMAs on widened nibbles); None takes the kind measured faster here (:func:`prefill_tiles`).
+    ``"narrow"`` makes the avx2 path use its 2-row tiles at every M instead of its 6-row prefill tiles from M = 3
+    (to measure one against the other; results are bit-identical).
     Raises :class:`EdgeqError` when the kernel is unavailable, the layout unsupported, or the shapes/dtypes wrong.
     """
     global _calls
@@ -189,9 +191,10 @@ def int4_mm(
         raise EdgeqError(f"native int4_mm is not available: {st.reason}")
     args = _kernel_args(st, layout, isa)
     if prefill is not None:
-        if prefill not in PREFILL_TILES:
-            raise EdgeqError(f"native int4_mm: prefill={prefill!r} is not one of {', '.join(PREFILL_TILES)}")
-        args = args[:-1] + (args[-1] & 15 | PREFILL_TILES[prefill] << 4,)
+        code = NARROW if prefill == "narrow" else PREFILL_TILES.get(prefill)
+        if code is None:
+            raise EdgeqError(f"native int4_mm: prefill={prefill!r} is not one of {', '.join(PREFILL_TILES)}, narrow")
+        args = args[:-1] + (args[-1] & 15 | code << 4,)
     try:
         y = _op(x, qweight, group_size, scales_and_zeros, *args)
     except RuntimeError as e:
@@ -201,6 +204,7 @@ def int4_mm(
 
 
 PREFILL_TILES = {"bf16": 1, "fp32": 2}  # the op's isa bits 4-5 (edgeq/csrc/int4mm_ops.cpp)
+NARROW = 3  # bits 4-5 = 3: the avx2 path's 2-row tiles at every M (``prefill="narrow"``: measurements and tests only)
 
 
 def _env_tiles() -> int:
