@@ -29,14 +29,8 @@ from edgeq.bench.records import Arm, BenchConfig  # noqa: E402
 from edgeq.bench.render import fmt_stat, to_json  # noqa: E402
 from edgeq.bench.schedule import run_bench  # noqa: E402
 from edgeq.bench.summary import compare  # noqa: E402
-from edgeq.runtime.crossover import NEVER  # noqa: E402
+from edgeq.runtime.crossover import phrase as crossover_phrase  # noqa: E402
 
-
-def _crossover_text(m: int | None) -> str:
-    """How the settings line states the W4A16 crossover: `` at M >= 512``, or that the dequantise path never runs."""
-    if m is None:
-        return ""
-    return " never (the kernel runs every prefill)" if m >= NEVER else f" at M >= {m}"
 
 MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
 SCHEME = "w4a16-g128"
@@ -192,7 +186,7 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
                 desc = (f"max_model_len {e['max_model_len']}, KV {mib(e['kv_cache_bytes'])}, threads {e['threads_now']}, "
                         f"decode {e['decode_path']}" + (f" ({(e.get('native') or {}).get('isa')})" if e.get("native") else "")
                         + f", prefill {e['prefill_path']}"
-                        + _crossover_text(e.get("prefill_crossover"))
+                        + (" " + crossover_phrase(e.get("prefill_crossover"))).rstrip()
                         + (f" ({e['path_note']})" if e.get("path_note") else "")
                         + f", loop {e.get('decode_loop')}, decode ops {e.get('decode_ops')}"
                         + f", prefill attention {e.get('prefill_attn', 'sdpa')}")

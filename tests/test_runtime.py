@@ -443,6 +443,8 @@ def test_crossover_solve_meets_the_lines_and_checks_an_extrapolation():
     assert crossover.solve(_linear_times((0.10, 0.010), (1.00, 0.500))) == crossover.NEVER
     assert crossover.solve(_linear_times((1.00, 0.010), (0.10, 0.010))) == crossover.HIGH
     assert crossover.describe(crossover.NEVER) == "never" and crossover.describe(512) == "M >= 512"
+    assert crossover.phrase(512) == "at M >= 512" and crossover.phrase(None) == ""
+    assert crossover.phrase(crossover.NEVER) == "never (the kernel runs every prefill)"
     # lines meet at 450 (beyond M_LARGE = 64), but the kernel's per-row cost falls at large M (it tiles x): it still
     # wins at 450 (4.24 vs 6.17 ms), not at 900 (8.29 vs 7.97), so the crossover is 900, every claim beyond M_LARGE timed
     kernel = (lambda m: 0.0 + 0.012 * m if m <= 64 else 0.768 + 0.009 * (m - 64), None)

@@ -8,12 +8,7 @@ import json
 from dataclasses import asdict
 
 from edgeq.bench.records import ArmSummary, BenchReport, ConvertBench, Stat
-from edgeq.runtime.crossover import NEVER as NEVER_CROSSOVER
-
-
-def _crossover(m) -> str:
-    """``at M >= 512``, ``never`` (the kernel runs every prefill), ``at M >= None`` (one path for every M)."""
-    return "never" if isinstance(m, int) and m >= NEVER_CROSSOVER else f"at M >= {m}"
+from edgeq.runtime.crossover import phrase as crossover_phrase
 
 
 def _mib(n: float) -> str:
@@ -104,10 +99,11 @@ def _settings_line(s: ArmSummary) -> str:
                 f"(computed), threads {e.get('n_threads')}/{e.get('n_threads_batch')}, batch {e.get('n_batch')}/"
                 f"{e.get('n_ubatch')}; {e.get('system_info', '')[:80]}")
     native = e.get("native") or {}
+    xover = crossover_phrase(e.get("prefill_crossover"))
     return (f"{e.get('scheme') or 'bf16'}; max_model_len {e.get('max_model_len')}, KV {_mib(e.get('kv_cache_bytes', 0))} "
             f"of {_mib(e.get('kv_cache_budget', 0))} budget, threads {e.get('threads_now')}, decode {e.get('decode_path')}"
-            f"{' (' + str(native.get('isa')) + ')' if native else ''}, prefill {e.get('prefill_path')} "
-            f"{_crossover(e.get('prefill_crossover'))} ({e.get('crossover_source')}), layout {e.get('layout')}")
+            f"{' (' + str(native.get('isa')) + ')' if native else ''}, prefill {e.get('prefill_path')}"
+            f"{' ' + xover if xover else ''} ({e.get('crossover_source')}), layout {e.get('layout')}")
 
 
 def _render_memory(s: ArmSummary, out) -> None:

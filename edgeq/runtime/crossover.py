@@ -32,6 +32,14 @@ def describe(m: int) -> str:
     return "never" if m >= NEVER else f"M >= {m}"
 
 
+def phrase(m: int | None) -> str:
+    """The crossover as reports print it after the prefill path's name: ``at M >= 512``, ``never (the kernel runs
+    every prefill)``, or ``""`` for a runtime with one path (``None``)."""
+    if m is None:
+        return ""
+    return "never (the kernel runs every prefill)" if m >= NEVER else f"at {describe(m)}"
+
+
 def cache_capability() -> str:
     """The CPU capability as the crossover cache key spells it: ``$ATEN_CPU_CAPABILITY`` exactly as set (``avx2``),
     else torch's spelling (``AVX512``). Not torch's value alone (which would spell the first ``AVX2``): caches are
