@@ -24,7 +24,7 @@ enum BlockMode : int {
 
 struct Int4Args {
   const uint16_t* x;   // bf16 bits [M, K], row-major
-  const float* xf;     // fp32 copy of x [M, K]
+  const float* xf;     // fp32 copy of x [M, K]; not allocated where only the AMX or avx2 prefill tiles read x
   const float* xs;     // fp32 group sums [M, K/G]
   const uint8_t* qw;   // packed [N, K/2]; block b of s rows = bytes [row0*K/2, (row0+s)*K/2), k-major
   const uint16_t* sz;  // bf16 bits [K/G, N, 2]: (scale, zero)

@@ -18,6 +18,26 @@ namespace {
 
 constexpr int kMaxTile = 2;
 
+// y[m][r .. r+7] += scale * D[m] + (zero - 8 scale) * xs[m, g] for the 8 rows r.. of this group's (scale, zero),
+// D[m] = sum_k x[m, k] q[r.., k] over group g; sz: the block's (scale, zero) of group g. Both tile kinds end here.
+// ng = K / G comes from the caller: computed here it was an idiv per call (seen in the disassembly).
+template <int MT>
+inline void epilogue(const Int4Args& a, const uint16_t* sz, int64_t g, int64_t ng, int r, int64_t m0, int S,
+                     const __m256 (&dsum)[MT], float* ys) {
+  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * r));
+  const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
+  const __m256 zr = _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256 c_sum = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, zr);
+#pragma GCC unroll 6
+  for (int m = 0; m < MT; ++m) {
+    float* yp = ys + (m0 + m) * S + r;
+    __m256 y = _mm256_loadu_ps(yp);
+    y = _mm256_fmadd_ps(sc, dsum[m], y);
+    y = _mm256_fmadd_ps(c_sum, _mm256_set1_ps(a.xs[(m0 + m) * ng + g]), y);
+    _mm256_storeu_ps(yp, y);
+  }
+}
+
 // acc[m][i]: i = 0, 1 -> rows 16u + 8i + l (low nibbles); i = 2, 3 -> rows S/2 + 16u + 8(i-2) + l (high nibbles).
 // U partial sums per accumulator (consecutive k alternate) so that one activation row still has 8 FMA chains.
 template <int S, int MT, int U>
@@ -66,19 +86,10 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
   // stores all of them in every k iteration (measured: 8 dead 32-byte stores per two k in the loop above).
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    const int r = (i / 2) * (S / 2) + 16 * u + 8 * (i % 2);
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * r));
-    const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
-    const __m256 zr = _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    const __m256 c_sum = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, zr);
+    __m256 d[MT];
 #pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) {
-      float* yp = ys + (m0 + m) * S + r;
-      __m256 y = _mm256_loadu_ps(yp);
-      y = _mm256_fmadd_ps(sc, acc[m][i], y);
-      y = _mm256_fmadd_ps(c_sum, _mm256_set1_ps(a.xs[(m0 + m) * ng + g]), y);
-      _mm256_storeu_ps(yp, y);
-    }
+    for (int m = 0; m < MT; ++m) d[m] = acc[m][i];
+    epilogue<MT>(a, sz, g, ng, (i / 2) * (S / 2) + 16 * u + 8 * (i % 2), m0, S, d, ys);
   }
 }
 
@@ -92,28 +103,10 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
 // exactly as in the 2-row tiles above, so every output is bit-identical to theirs (tested); only the time differs.
 // Example: byte 0x95 at k, chunk 0 -> row 0: q = 5, row S/2: q = 9; x[m, k] = 0.5 adds 2.5 and 4.5 to the sums.
 
-// y[m][r .. r+7] += scale * D[m] + (zero - 8 scale) * xs[m, g] for the 8 rows r.. of this group's (scale, zero).
-template <int MT>
-inline void wide_epilogue(const Int4Args& a, const uint16_t* sz, int64_t g, int r, int64_t m0, int S,
-                          const __m256 (&dsum)[MT], float* ys) {
-  const int64_t ng = a.K / a.G;
-  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * r));
-  const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
-  const __m256 zr = _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  const __m256 c_sum = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, zr);
-#pragma GCC unroll 6
-  for (int m = 0; m < MT; ++m) {
-    float* yp = ys + (m0 + m) * S + r;
-    __m256 y = _mm256_loadu_ps(yp);
-    y = _mm256_fmadd_ps(sc, dsum[m], y);
-    y = _mm256_fmadd_ps(c_sum, _mm256_set1_ps(a.xs[(m0 + m) * ng + g]), y);
-    _mm256_storeu_ps(yp, y);
-  }
-}
-
 // One chunk c (rows 8c.. and S/2 + 8c..) of group g for activation rows m0 .. m0 + MT - 1.
 template <int S, int MT>
-void wide_chunk(const Int4Args& a, int64_t row0, int64_t g, int c, int64_t m0, const float* wq, float* ys) {
+void wide_chunk(const Int4Args& a, int64_t row0, int64_t g, int64_t ng, int c, int64_t m0, const float* wq,
+                float* ys) {
   const int64_t K = a.K, G = a.G;
   const float* xt = a.xt + m0 * K + g * G * MT;
   __m256 lo_acc[MT], hi_acc[MT];
@@ -129,21 +122,21 @@ void wide_chunk(const Int4Args& a, int64_t row0, int64_t g, int c, int64_t m0, c
     }
   }
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
-  wide_epilogue<MT>(a, sz, g, 8 * c, m0, S, lo_acc, ys);
-  wide_epilogue<MT>(a, sz, g, S / 2 + 8 * c, m0, S, hi_acc, ys);
+  epilogue<MT>(a, sz, g, ng, 8 * c, m0, S, lo_acc, ys);
+  epilogue<MT>(a, sz, g, ng, S / 2 + 8 * c, m0, S, hi_acc, ys);
 }
 
 template <int S, int MT>
-void wide_tile(const Int4Args& a, int64_t row0, int64_t g, int64_t m0, const float* wq, float* ys) {
-  for (int c = 0; c < S / 16; ++c) wide_chunk<S, MT>(a, row0, g, c, m0, wq + c * a.G * 16, ys);
+void wide_tile(const Int4Args& a, int64_t row0, int64_t g, int64_t ng, int64_t m0, const float* wq, float* ys) {
+  for (int c = 0; c < S / 16; ++c) wide_chunk<S, MT>(a, row0, g, ng, c, m0, wq + c * a.G * 16, ys);
 }
 
 template <int S>
 void block_wide(const Int4Args& a, int64_t row0, float* ys) {
-  const int64_t K = a.K, G = a.G;
+  const int64_t K = a.K, G = a.G, ng = K / G;
   alignas(32) float wq[64 * 256];  // S x G <= 64 x 256
   const __m256i m15 = _mm256_set1_epi32(15);
-  for (int64_t g = 0; g < K / G; ++g) {
+  for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* wg = a.qw + row0 * (K / 2) + g * G * (S / 2);
     for (int64_t k = 0; k < G; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(wg + k * (S / 2) + kPrefetchBytes), _MM_HINT_T0);
@@ -157,12 +150,12 @@ void block_wide(const Int4Args& a, int64_t row0, float* ys) {
     for (int64_t m0 = 0, mt; m0 < a.M; m0 += mt) {
       mt = a.M - m0 >= kWideTile ? kWideTile : a.M - m0;
       switch (mt) {
-        case 1: wide_tile<S, 1>(a, row0, g, m0, wq, ys); break;
-        case 2: wide_tile<S, 2>(a, row0, g, m0, wq, ys); break;
-        case 3: wide_tile<S, 3>(a, row0, g, m0, wq, ys); break;
-        case 4: wide_tile<S, 4>(a, row0, g, m0, wq, ys); break;
-        case 5: wide_tile<S, 5>(a, row0, g, m0, wq, ys); break;
-        default: wide_tile<S, 6>(a, row0, g, m0, wq, ys); break;
+        case 1: wide_tile<S, 1>(a, row0, g, ng, m0, wq, ys); break;
+        case 2: wide_tile<S, 2>(a, row0, g, ng, m0, wq, ys); break;
+        case 3: wide_tile<S, 3>(a, row0, g, ng, m0, wq, ys); break;
+        case 4: wide_tile<S, 4>(a, row0, g, ng, m0, wq, ys); break;
+        case 5: wide_tile<S, 5>(a, row0, g, ng, m0, wq, ys); break;
+        default: wide_tile<S, 6>(a, row0, g, ng, m0, wq, ys); break;
       }
     }
   }

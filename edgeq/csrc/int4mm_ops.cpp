@@ -102,23 +102,31 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // fp32 copy of x and its group sums, once per call (M*K values: small next to N*K/2 weight bytes), rows split
-  // across threads (at M = 512 a single thread spent ~8% of a Qwen2.5-1.5B prefill here).
+  // across threads (at M = 512 a single thread spent ~8% of a Qwen2.5-1.5B prefill here). The avx2 path's prefill
+  // tiles read x k-major per tile of kWideTile rows instead (int4mm.h, Int4Args::xt), written in the same pass.
   const int64_t ng = K / group_size;
-  // Blocks the AMX path does not take (adjacent mode, odd tails) fall back to the scalar path, which reads xf.
-  const bool need_xf = !amx_large || N % block_n != 0 || full_mode != 0;
-  std::vector<float> xf(need_xf ? M * K : 0), xs(M * ng);
+  const bool wide = isa == 1 && tiles != 3 && M >= edgeq::kWideMin;
+  // Blocks the AMX path and the avx2 tiles do not take (adjacent mode, odd tails) fall back to the scalar path, which
+  // reads xf; so do all blocks of the other paths.
+  const bool need_xf = !(amx_large || wide) || N % block_n != 0 || full_mode != 0;
+  std::vector<float> xf(need_xf ? M * K : 0), xt(wide ? M * K : 0), xs(M * ng);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < ng; ++g) {
-        float sum = 0.f;
-        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-          const float v = edgeq::bf16_to_f32(xb[m * K + k]);
-          if (need_xf) xf[m * K + k] = v;
-          sum += v;
+  const int64_t rows = wide ? edgeq::kWideTile : 16;  // a task's rows: whole tiles, so no two tasks share one
+  at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t * rows, mt = std::min<int64_t>(rows, M - m0);
+      for (int64_t m = m0; m < m0 + mt; ++m)
+        for (int64_t g = 0; g < ng; ++g) {
+          float sum = 0.f;
+          for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+            const float v = edgeq::bf16_to_f32(xb[m * K + k]);
+            if (need_xf) xf[m * K + k] = v;
+            if (wide) xt[m0 * K + k * mt + (m - m0)] = v;
+            sum += v;
+          }
+          xs[m * ng + g] = sum;
         }
-        xs[m * ng + g] = sum;
-      }
+    }
   });
 
   Int4Args a{xb,
@@ -129,18 +137,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
              M, N, K, group_size};
   a.f32_prefill = isa == 2 && M > 8 && (tiles == 1 || tiles == 2 ? tiles : prefill_choice()) == 2;
-  // The avx2 path's prefill tiles read x k-major per tile of kWideTile rows (int4mm.h, Int4Args::xt).
-  std::vector<float> xt(isa == 1 && tiles != 3 && M >= edgeq::kWideMin ? M * K : 0);
-  if (!xt.empty()) {
-    at::parallel_for(0, (M + edgeq::kWideTile - 1) / edgeq::kWideTile, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m0 = t * edgeq::kWideTile, mt = std::min<int64_t>(edgeq::kWideTile, M - m0);
-        for (int64_t m = 0; m < mt; ++m)
-          for (int64_t k = 0; k < K; ++k) xt[m0 * K + k * mt + m] = xf[(m0 + m) * K + k];
-      }
-    });
-    a.xt = xt.data();
-  }
+  if (wide) a.xt = xt.data();
   const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
   const int64_t tail_mode = (tail_modes >> (tail / 16)) & 1;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
