@@ -1,10 +1,12 @@
 // AVX2 path (AVX2 + FMA): full "halves" blocks of 32 or 64 rows, fp32 arithmetic.
 //
 // Byte j of a k holds row j (low nibble) and row j + S/2 (high nibble). Eight bytes are zero-extended to eight
-// dwords, masked / shifted to q and converted to fp32, then FMA'd with the broadcast fp32 x[k]:
-// acc = sum_k x q, and per group  y += scale * acc + (zero - 8 scale) * xs. (Converting the whole byte, lo + 16 hi,
-// and subtracting 16 sum x hi per group saves the mask op but measured 0.4% outputs off aten's by an ulp instead
-// of 0.1%, for no measurable speed.)
+// dwords b; b itself (lo + 16 hi) and b >> 4 (hi) are converted to fp32 and FMA'd with the broadcast fp32 x[k], so
+// per group the sums are B = sum_k x b and H = sum_k x hi, and the low-nibble rows' sum is L = B - 16 H (no mask op:
+// 12 vector ops per 16 bytes instead of 14, M = 1 1.04-1.07x on Zen 3); per group  y += scale * L + (zero - 8 scale)
+// * xs (H for the high-nibble rows). Example: b = 0x95, x = 0.5: B = 74.5, H = 4.5, L = 74.5 - 72 = 2.5 = 0.5 * 5.
+// B carries up to 16x the magnitude of L, so its fp32 rounding error is larger (docs/kernel.md, "Arithmetic and
+// precision": the share of outputs one bf16 ulp off aten's, measured).
 // Loops: group -> 16-byte column strip u (32 rows) -> tile of up to 2 activation rows -> k.
 #include <immintrin.h>
 
@@ -38,6 +40,11 @@ inline void epilogue(const Int4Args& a, const uint16_t* sz, int64_t g, int64_t n
   }
 }
 
+// The low-nibble rows' sum from the whole byte's: sum x lo = sum x b - 16 sum x hi (b = lo + 16 hi, exact in fp32).
+inline __m256 lo_from_byte(__m256 byte_sum, __m256 hi_sum) {
+  return _mm256_fnmadd_ps(_mm256_set1_ps(16.f), hi_sum, byte_sum);
+}
+
 // acc[m][i]: i = 0, 1 -> rows 16u + 8i + l (low nibbles); i = 2, 3 -> rows S/2 + 16u + 8(i-2) + l (high nibbles).
 // U partial sums per accumulator (consecutive k alternate) so that one activation row still has 8 FMA chains.
 template <int S, int MT, int U>
@@ -45,7 +52,6 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
   const int64_t K = a.K, G = a.G, ng = K / G;
   const uint8_t* wg = a.qw + row0 * (K / 2) + g * G * (S / 2) + 16 * u;
   const float* x = a.xf + m0 * K + g * G;
-  const __m256i m15 = _mm256_set1_epi32(15);
   __m256 part[U][MT][4];
 #pragma GCC unroll 4
   for (int v = 0; v < U; ++v)
@@ -59,8 +65,8 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
       const __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
       const __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(d0, m15));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(d1, m15));
+      const __m256 w0 = _mm256_cvtepi32_ps(d0);  // the whole byte b = lo + 16 hi (see the file's comment)
+      const __m256 w1 = _mm256_cvtepi32_ps(d1);
       const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(d0, 4));
       const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(d1, 4));
       for (int m = 0; m < MT; ++m) {
@@ -80,15 +86,16 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
       for (int v = 1; v < U; ++v) acc[m][i] = _mm256_add_ps(acc[m][i], part[v][m][i]);
     }
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
-  if (u == 0 && m0 == 0)  // this group's scales of the next block (strided: the hardware prefetcher misses them)
-    for (int i = 0; i < S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
+  if (u == 0 && m0 == 0)  // this group's scales of the next block (strided: the hardware prefetcher misses them;
+    // S * 4 bytes span 5 lines unless 64-byte aligned, which a mapped checkpoint's scales need not be: <=, not <)
+    for (int i = 0; i <= S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
   // Unrolled (as every loop over the sums here): with a runtime index GCC keeps the sums' home on the stack and
   // stores all of them in every k iteration (measured: 8 dead 32-byte stores per two k in the loop above).
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    __m256 d[MT];
+    __m256 d[MT];  // low-nibble rows: sum x b - 16 sum x hi
 #pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) d[m] = acc[m][i];
+    for (int m = 0; m < MT; ++m) d[m] = i < 2 ? lo_from_byte(acc[m][i], acc[m][i + 2]) : acc[m][i];
     epilogue<MT>(a, sz, g, ng, (i / 2) * (S / 2) + 16 * u + 8 * (i % 2), m0, S, d, ys);
   }
 }
@@ -121,6 +128,8 @@ void wide_chunk(const Int4Args& a, int64_t row0, int64_t g, int64_t ng, int c, i
       hi_acc[m] = _mm256_fmadd_ps(hi, xb, hi_acc[m]);
     }
   }
+#pragma GCC unroll 6
+  for (int m = 0; m < MT; ++m) lo_acc[m] = lo_from_byte(lo_acc[m], hi_acc[m]);
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
   epilogue<MT>(a, sz, g, ng, 8 * c, m0, S, lo_acc, ys);
   epilogue<MT>(a, sz, g, ng, S / 2 + 8 * c, m0, S, hi_acc, ys);
@@ -135,7 +144,6 @@ template <int S>
 void block_wide(const Int4Args& a, int64_t row0, float* ys) {
   const int64_t K = a.K, G = a.G, ng = K / G;
   alignas(32) float wq[64 * 256];  // S x G <= 64 x 256
-  const __m256i m15 = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* wg = a.qw + row0 * (K / 2) + g * G * (S / 2);
     for (int64_t k = 0; k < G; ++k) {
@@ -143,7 +151,7 @@ void block_wide(const Int4Args& a, int64_t row0, float* ys) {
       for (int c = 0; c < S / 16; ++c) {
         const __m256i d =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wg + k * (S / 2) + 8 * c)));
-        _mm256_store_ps(wq + (c * G + k) * 16, _mm256_cvtepi32_ps(_mm256_and_si256(d, m15)));
+        _mm256_store_ps(wq + (c * G + k) * 16, _mm256_cvtepi32_ps(d));  // b = lo + 16 hi, as in the 2-row tiles
         _mm256_store_ps(wq + (c * G + k) * 16 + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4)));
       }
     }
