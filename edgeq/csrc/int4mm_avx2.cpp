@@ -3,10 +3,10 @@
 // Byte j of a k holds row j (low nibble) and row j + S/2 (high nibble). Eight bytes are zero-extended to eight
 // dwords b; b itself (lo + 16 hi) and b >> 4 (hi) are converted to fp32 and FMA'd with the broadcast fp32 x[k], so
 // per group the sums are B = sum_k x b and H = sum_k x hi, and the low-nibble rows' sum is L = B - 16 H (no mask op:
-// 12 vector ops per 16 bytes instead of 14, M = 1 1.04-1.07x on Zen 3); per group  y += scale * L + (zero - 8 scale)
-// * xs (H for the high-nibble rows). Example: b = 0x95, x = 0.5: B = 74.5, H = 4.5, L = 74.5 - 72 = 2.5 = 0.5 * 5.
-// B carries up to 16x the magnitude of L, so its fp32 rounding error is larger (docs/kernel.md, "Arithmetic and
-// precision": the share of outputs one bf16 ulp off aten's, measured).
+// 12 vector ops per 16 bytes instead of 14; M = 1 1.07-1.08x in bench_kernel on Zen 3, decode 1.04-1.09x). Per group
+// y += scale * L + (zero - 8 scale) * xs (H for the high-nibble rows). Example: b = 0x95, x = 0.5: B = 74.5, H = 4.5,
+// L = 74.5 - 72 = 2.5 = 0.5 * 5. B carries up to 16x the magnitude of L, so its fp32 rounding error is larger
+// (docs/kernel.md, "Arithmetic and precision": the share of outputs one bf16 ulp off aten's, measured).
 // Loops: group -> 16-byte column strip u (32 rows) -> tile of up to 2 activation rows -> k.
 #include <immintrin.h>
 
@@ -102,13 +102,15 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
 
 // Prefill tiles (M >= kWideMin). Per group, the block's S x G nibbles are decoded once into fp32 (wq, <= 64 KB:
 // the 8 bytes of chunk c at k hold rows 8c + l, low nibble, and S/2 + 8c + l, high nibble, l = 0..7; one vpmovzxbd,
-// an and, a shift and two conversions give both row vectors, stored as wq[c][k][16]); then every tile of up to
+// a shift and two conversions give the whole bytes b and the high nibbles, stored as wq[c][k][16]; the low rows'
+// sums are taken as B - 16 H, as in the 2-row tiles); then every tile of up to
 // kWideTile activation rows multiplies them: per k and chunk, 2 weight loads and MT broadcasts for 2 MT FMAs (12 at
 // MT = 6: 12 sum registers, 2 weight vectors and a broadcast fill the 16 ymm registers). The activations come k-major
 // per tile (Int4Args::xt), so a tile's MT values of one k are adjacent (read in place, its rows are K floats apart,
 // which for K a multiple of 1024 puts them all in one L1 set). Each sum is one fp32 chain over the group's k in order,
 // exactly as in the 2-row tiles above, so every output is bit-identical to theirs (tested); only the time differs.
-// Example: byte 0x95 at k, chunk 0 -> row 0: q = 5, row S/2: q = 9; x[m, k] = 0.5 adds 2.5 and 4.5 to the sums.
+// Example: byte 0x95 at k, chunk 0 -> b = 149, hi = 9 (row S/2); x[m, k] = 0.5 adds 74.5 and 4.5 to the sums, and
+// row 0 gets 74.5 - 16 * 4.5 = 2.5 = 0.5 * 5.
 
 // One chunk c (rows 8c.. and S/2 + 8c..) of group g for activation rows m0 .. m0 + MT - 1.
 template <int S, int MT>
