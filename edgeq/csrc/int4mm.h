@@ -9,6 +9,8 @@
 //     y[m, n] += scale * (sum_k x[m, k] q[n, k] - 8 xs[m, g]) + zero * xs[m, g],   xs[m, g] = sum_{k in g} x[m, k]
 // so the inner loop only sums x * q, and the scale and zero are applied once per group and row.
 #pragma once
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 #include "bf16.h"
@@ -45,6 +47,14 @@ constexpr int64_t kWideMin = 3;
 // Software prefetch distance for the weight stream, in bytes (measured: 4-16 KB all ~1.4x better than none at M=1 on
 // DRAM-resident weights; the hardware prefetcher alone leaves the vector units waiting).
 constexpr int64_t kPrefetchBytes = 8192;
+
+// Prefetch the next row block's (scale, zero) pairs of one group: s rows x 4 bytes after this block's `sz`. They are
+// strided by N (the hardware prefetcher misses them), and a mapped checkpoint's tensors are not 64-byte aligned, so
+// the s * 4 bytes span s / 16 + 1 lines: all of them are fetched (fetching one line fewer left a demand miss per group
+// and block that made the avx2 decode 1.6x slower end to end on a Llama-3.2-1B-shaped checkpoint: docs/kernel.md).
+inline void prefetch_next_scales(const uint16_t* sz, int s) {
+  for (int i = 0; i <= s * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + s * 2) + i, _MM_HINT_T0);
+}
 
 // Compute rows [row0, row0 + s) of y for all M. ys: fp32 scratch of at least M * 64 floats, acc: another M * 64.
 // The SIMD routines return false when they have no fast path for (s, mode); the caller then uses the scalar one.

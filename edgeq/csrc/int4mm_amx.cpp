@@ -126,8 +126,7 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
       }
       store_c<NV>(cbuf);
       const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
-      for (int i = 0; i <= S * 4; i += 64)  // next block's scales for this group (strided by N; 5 lines if unaligned)
-        _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
+      prefetch_next_scales(sz, S);
       for (int v = 0; v < NV; ++v)
         for (int h = 0; h < 2; ++h) {
           const int r = h * (S / 2) + 16 * v;

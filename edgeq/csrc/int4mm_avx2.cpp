@@ -86,9 +86,7 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int u, int64_t m0, float* 
       for (int v = 1; v < U; ++v) acc[m][i] = _mm256_add_ps(acc[m][i], part[v][m][i]);
     }
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
-  if (u == 0 && m0 == 0)  // this group's scales of the next block (strided: the hardware prefetcher misses them;
-    // S * 4 bytes span 5 lines unless 64-byte aligned, which a mapped checkpoint's scales need not be: <=, not <)
-    for (int i = 0; i <= S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
+  if (u == 0 && m0 == 0) prefetch_next_scales(sz, S);
   // Unrolled (as every loop over the sums here): with a runtime index GCC keeps the sums' home on the stack and
   // stores all of them in every k iteration (measured: 8 dead 32-byte stores per two k in the loop above).
 #pragma GCC unroll 4

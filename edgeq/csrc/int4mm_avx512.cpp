@@ -98,9 +98,7 @@ void tile(const Int4Args& a, int64_t row0, int64_t g, int v0, int64_t m0, const 
   __m512 acc[MT][NV][2];
   group_dot<S, MT, NV, U>(a.qw + row0 * (K / 2) + g * G * (S / 2), a.x + m0 * K + g * G, K, G, idx + v0, acc);
   const uint16_t* sz = a.sz + (g * a.N + row0) * 2;
-  if (v0 == 0 && m0 == 0)  // this group's scales of the next block (strided by N: the hardware prefetcher misses
-    // them; S * 4 bytes span 5 lines unless 64-byte aligned, which a mapped checkpoint's scales need not be: <=, not <)
-    for (int i = 0; i <= S * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(sz + S * 2) + i, _MM_HINT_T0);
+  if (v0 == 0 && m0 == 0) prefetch_next_scales(sz, S);
   for (int v = 0; v < NV; ++v)
     for (int h = 0; h < 2; ++h) {
       __m512 dsum[MT];
