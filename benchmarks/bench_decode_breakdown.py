@@ -17,8 +17,18 @@ reported. Then one profiled run per arm and context (torch.profiler, self CPU ti
   inflates op times a little, so this is a lower estimate).
 
 ``kernel only`` replays the step's linear calls alone (every projection and the head, in order, random inputs of
-the same shapes): what benchmarks/bench_kernel.py measures, per token; it is timed in every pass beside the arms
+the same shapes; q/k/v and gate/up as one call each, as the native step makes them): what benchmarks/bench_kernel.py
+measures, per token; it is timed in every pass beside the arms
 (interleaved: this machine's bandwidth drifts within minutes). ``outside the matmuls`` = step - kernel only.
+
+The arm ``native-separate`` is the native step with one kernel call per projection instead of one for q/k/v and
+one for gate/up (``LeanDecoder.fuse_projections = False``; the same bits): what the grouped calls save.
+
+``--paired N`` replaces the passes with a finer A/B of the arms (for differences of a fraction of a millisecond, below
+the passes' spread): per context one prefill, then N rounds, each running every arm for ``--steps`` steps from the
+same cache length (the cache rewound between chunks), the arms' order reversed every round; reported per arm
+ms/token median [min-max] and, against the first arm, the median of the per-round differences and in how many
+rounds the arm was slower.
 
 ``--ablate`` (native ops) adds arms that time the same step with one class of native op replaced by a no-op (the
 logits are then wrong; only the time counts): ``without attention`` (``decode_attn``), ``without norms + RoPE``
@@ -27,6 +37,7 @@ without the profiler's per-op inflation.
 
     python benchmarks/synthetic.py qwen2.5-1.5b /tmp/q15-hf && edgeq quantize /tmp/q15-hf -o /tmp/q15 --method minmax
     python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512,2048 --threads 2 --passes 3
+    python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512 --ops native,native-separate --paired 150 --steps 4
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from collections import defaultdict
 
 import torch
 
-KERNEL_OPS = ("edgeq::int4_mm", "aten::_weight_int4pack_mm_for_cpu", "edgeq_w4a8::w4a8_mm", "aten::_weight_int8pack_mm",
+KERNEL_OPS = ("edgeq::int4_mm", "edgeq::int4_mm_multi", "aten::_weight_int4pack_mm_for_cpu", "edgeq_w4a8::w4a8_mm", "aten::_weight_int8pack_mm",
               "aten::linear", "aten::mm", "aten::addmm", "aten::_int_mm")
 ATTN_OPS = ("edgeq::decode_attn", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 ARGMAX_OPS = ("aten::argmax", "edgeq::argmax_finite", "aten::isfinite", "aten::all")
@@ -72,6 +83,27 @@ def _steps(lm, first: int, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, steps: int) -> list[dict]:
+    """``--paired``: the arms alternated in chunks of ``steps`` steps from one prefill per context (module docstring)."""
+    rows = []
+    for c in contexts:
+        _arm(lm, arms[0])
+        token = _prefill(lm, c, vocab)
+        t = {a: [] for a in arms}
+        for r in range(rounds):
+            for a in arms if r % 2 == 0 else arms[::-1]:
+                _arm(lm, a)
+                for layer in lm.cache.layers:  # rewind: every chunk decodes after the same c tokens
+                    layer.length = c
+                t[a].append(_steps(lm, token, steps) / steps * 1e3)
+        for a in arms:
+            d = [y - x for x, y in zip(t[arms[0]], t[a])]
+            rows.append(dict(context=c, ops=a, step_ms=statistics.median(t[a]), step_min=min(t[a]),
+                             step_max=max(t[a]), paired_diff_ms=statistics.median(d),
+                             slower_rounds=sum(v > 0 for v in d), rounds=rounds))
+    return rows
+
+
 ABLATIONS = {"without attention": ("decode_attn",), "without norms + RoPE": ("add_rms_norm", "rope_to_cache")}
 
 
@@ -80,7 +112,7 @@ def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> floa
     from edgeq.runtime import native
 
     saved = {name: getattr(native, name) for name in ops}
-    lm.decoder.ops = "native"
+    _arm(lm, "native")
     token = _prefill(lm, ctx, vocab)
     try:
         for name in ops:
@@ -92,6 +124,16 @@ def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> floa
             setattr(native, name, fn)
 
 
+def _ops(arm: str) -> str:
+    """The decode ops an arm runs (``native-separate`` is the native ops with one call per projection)."""
+    return "native" if arm == "native-separate" else arm
+
+
+def _arm(lm, arm: str) -> None:
+    lm.decoder.ops = _ops(arm)
+    lm.decoder.fuse_projections = arm != "native-separate"
+
+
 def _prefill(lm, ctx: int, vocab: int) -> int:
     ids = torch.randint(3, vocab, (1, ctx), generator=torch.Generator().manual_seed(ctx))
     lm.cache.reset()
@@ -99,13 +141,14 @@ def _prefill(lm, ctx: int, vocab: int) -> int:
 
 
 def _replay_linears(lm, steps: int) -> float:
-    """Seconds per token of the decode step's linear calls alone (projections + head, in order)."""
+    """Seconds per token of the decode step's linear calls alone (projections + head, in order; q/k/v and gate/up
+    grouped as the native step calls them)."""
     dec = lm.decoder
     calls = []
     for L in dec.layers:
-        for lin, k in ((L.q, dec.hidden), (L.k, dec.hidden), (L.v, dec.hidden), (L.o, dec.heads * dec.head_dim),
-                       (L.gate, dec.hidden), (L.up, dec.hidden), (L.down, L.gate.out_features)):
-            calls.append((lin.fn, torch.randn(1, k).to(dec.dtype)))
+        for fn, k in ((L.qkv, dec.hidden), (L.o.fn, dec.heads * dec.head_dim), (L.gate_up, dec.hidden),
+                      (L.down.fn, L.gate.out_features)):
+            calls.append((fn, torch.randn(1, k).to(dec.dtype)))
     calls.append((dec.head.fn, torch.randn(1, dec.hidden).to(dec.dtype)))
     for fn, x in calls:
         fn(x)
@@ -133,12 +176,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--contexts", default="512,2048")
-    ap.add_argument("--ops", default="native,torch", help="arms: native, torch (edgeq.runtime.lean.ops_choice)")
+    ap.add_argument("--ops", default="native,torch", help="arms: native, torch (edgeq.runtime.lean.ops_choice), "
+                    "native-separate (native, one kernel call per projection)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ablate", action="store_true", help="also time the native step without attention, and "
                     "without norms + RoPE (no-ops): what each really costs")
+    ap.add_argument("--paired", type=int, default=0, metavar="N", help="instead of the passes: N rounds of a paired "
+                    "A/B of the arms, --steps steps a chunk (module docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -148,14 +194,17 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a.strip() for a in args.ops.split(",")]
     for arm in arms:
-        ops_choice(arm)  # an arm that cannot run here is an error before anything is timed
+        ops_choice(_ops(arm))  # an arm that cannot run here is an error before anything is timed
     lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
               kv_cache_bytes="1GiB",
-              decode_ops=arms[0])
+              decode_ops=_ops(arms[0]))
     if lm.decoder is None:
         raise SystemExit(f"the lean decoder does not run this model: {lm.settings.decode_loop_reason}")
     vocab = int(lm.config.vocab_size)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    if args.paired:
+        _report_paired(lm, args, arms, contexts, vocab, started)
+        return
     extra = ["kernel only"] + (list(ABLATIONS) if args.ablate else [])
     times = {(c, a): [] for c in contexts for a in arms + extra}
     cpu0 = time.process_time()
@@ -169,7 +218,7 @@ def main() -> None:
                 elif a in ABLATIONS:
                     times[(c, a)].append(_ablated(lm, c, vocab, args.steps, ABLATIONS[a]))
                 else:
-                    lm.decoder.ops = a
+                    _arm(lm, a)
                     token = _prefill(lm, c, vocab)
                     _steps(lm, token, 2)  # warm
                     times[(c, a)].append(_steps(lm, token, args.steps) / args.steps * 1e3)
@@ -178,7 +227,7 @@ def main() -> None:
     prof = {}
     for c in contexts:
         for a in arms:
-            lm.decoder.ops = a
+            _arm(lm, a)
             prof[(c, a)] = _profile(lm, c, vocab, max(8, args.steps // 2))
     finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -187,7 +236,7 @@ def main() -> None:
     print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, "
           f"decode path {s.decode_path}, loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed "
           f"passes {cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
-    print(f"kernel only (the step's {7 * len(lm.decoder.layers) + 1} linear calls replayed, in every pass): {kernel_ms:.2f} "
+    print(f"kernel only (the step's linear calls, {7 * len(lm.decoder.layers) + 1} matrices, replayed in every pass): {kernel_ms:.2f} "
           f"ms/token\n")
     print("| context | ops | step ms/token, median [min-max] | tok/s | outside the matmuls | "
           + " | ".join(CATEGORIES) + " | left |")
@@ -218,6 +267,28 @@ def main() -> None:
             json.dump(dict(started=started, finished=finished, checkpoint=args.checkpoint, threads=s.threads,
                            cpu_share=cpu_share, machine=platform.processor(), rows=rows,
                            omp=os.environ.get("OMP_WAIT_POLICY")), f, indent=2)
+
+
+def _report_paired(lm, args, arms, contexts, vocab, started) -> None:
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    rows = _paired(lm, arms, contexts, vocab, args.paired, args.steps)
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0) / args.threads
+    finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    s = lm.settings
+    print(f"# decode A/B, paired: {args.checkpoint}")
+    print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, decode path "
+          f"{s.decode_path}, torch {torch.__version__}; {args.paired} rounds of {args.steps} steps per arm; CPU share "
+          f"{cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
+    print(f"\n| context | ops | step ms/token, median [min-max] | minus {arms[0]}, median of rounds (ms) | rounds slower |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['ops']} | {r['step_ms']:.2f} [{r['step_min']:.2f}-{r['step_max']:.2f}] | "
+              f"{r['paired_diff_ms']:+.2f} | {r['slower_rounds']}/{r['rounds']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(started=started, finished=finished, checkpoint=args.checkpoint, threads=s.threads,
+                           cpu_share=cpu_share, machine=platform.processor(), paired=args.paired, steps=args.steps,
+                           rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_add_rms_norm_matches_the_eager_norm(rows, cols):
 
 
 def test_rope_to_cache_is_bit_identical_to_the_eager_rope():
-    from edgeq.runtime.lean import rope_tables
+    from edgeq.runtime.rope import rope_tables
 
     h, kvh, d, cap, pos = 12, 2, 128, 40, 29
     g = torch.Generator().manual_seed(3)

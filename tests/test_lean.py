@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from edgeq.errors import EdgeqError
 from edgeq.runtime import generate_ids, load
 from edgeq.runtime.embedding import PackedEmbedding
-from edgeq.runtime.lean import rope_tables
+from edgeq.runtime.rope import rope_tables
 from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.models import save_hf, tiny_model
 from helpers.paths import FIXTURE

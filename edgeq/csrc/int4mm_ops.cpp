@@ -2,6 +2,9 @@
 //
 //   torch.ops.edgeq.int4_mm(x bf16 [M, K], qweight uint8 [N, K/2], group_size, scales_and_zeros bf16 [K/G, N, 2],
 //                           block_n, full_mode, tail_modes, isa) -> bf16 [M, N]
+//   torch.ops.edgeq.int4_mm_multi(x bf16 [M, K] (M = 1 or 2), qweights [...], group_sizes [...], scales_and_zeros
+//                                 [...], biases [bf16 [N_i] or None, ...], block_n, full_mode, tail_modes, isa)
+//                                 -> [bf16 [M, N_i], ...]   (several matrices on one x: q/k/v, gate/up)
 //
 // isa: 0 scalar, 1 avx2, 2 avx512, 3 amx (the Python side chooses it from cpu_features() and EDGEQ_NATIVE_ISA).
 // Rows are cut into blocks of block_n rows (mode full_mode) and one tail block of s = N % block_n rows, whose mode is
@@ -65,14 +68,14 @@ int64_t prefill_choice() {
   return choice;
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
-                   const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_modes,
-                   int64_t isa) {
+// The checks both ops make of one matrix read with x [M, K]; returns N.
+int64_t check_matrix(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
+                     const at::Tensor& scales_and_zeros, int64_t block_n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "x: expected bf16 [M, K], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
               "qweight: expected contiguous uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) * 2 == K, "qweight: [", N, ", ", qweight.size(1), "] holds K=", qweight.size(1) * 2,
               " but x has K=", K);
   TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
@@ -85,14 +88,39 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
                   scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
               "scales_and_zeros: expected contiguous bf16 [", K / group_size, ", ", N, ", 2], got ",
               scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
+  return N;
+}
+
+// The path (isa's low 4 bits) after checking it, full_mode and the tile code (*tiles: isa's bits 4-5).
+int64_t check_isa(int64_t isa, int64_t full_mode, int64_t* tiles) {
   TORCH_CHECK(full_mode == 0 || full_mode == 1, "full_mode must be 0 (halves) or 1 (adjacent)");
   // isa's bits 4-5: the avx512 path's tiles for M > 8 (0 measured: prefill_choice, 1 bf16 pairs, 2 fp32); 3: the
   // avx2 path's 2-row tiles at every M (its 6-row prefill tiles otherwise; the avx512 path measures its choice).
-  const int64_t tiles = isa >> 4;
+  *tiles = isa >> 4;
   isa &= 15;
-  TORCH_CHECK(tiles >= 0 && tiles <= 3, "isa bits 4-5 (prefill tiles) must be 0, 1, 2 or 3");
+  TORCH_CHECK(*tiles >= 0 && *tiles <= 3, "isa bits 4-5 (prefill tiles) must be 0, 1, 2 or 3");
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
   TORCH_CHECK(isa == 0 || (cpu_features() & (1 << (isa - 1))), "this CPU lacks the instructions of isa ", isa);
+  return isa;
+}
+
+// Rows [row0, row0 + s) of one matrix: the ISA's block routine, else (no fast path for the block) the scalar one.
+void run_block(const Int4Args& a, int64_t isa, int64_t row0, int s, int mode, float* scratch) {
+  bool done = false;
+  // amx: tiles pay off from two activation rows; for one row the AVX512 dot products measured faster.
+  if (isa == 3 && a.M > 1) done = edgeq::block_amx(a, row0, s, mode, scratch);
+  if (isa == 2 || (isa == 3 && a.M == 1)) done = edgeq::block_avx512(a, row0, s, mode, scratch);
+  if (isa == 1) done = edgeq::block_avx2(a, row0, s, mode, scratch);
+  if (!done) edgeq::block_scalar(a, row0, s, mode, scratch, scratch + a.M * 64);
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group_size,
+                   const at::Tensor& scales_and_zeros, int64_t block_n, int64_t full_mode, int64_t tail_modes,
+                   int64_t isa) {
+  const int64_t N = check_matrix(x, qweight, group_size, scales_and_zeros, block_n);
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t tiles = 0;
+  isa = check_isa(isa, full_mode, &tiles);
 
   // The AMX path for M > 16 loads x in 16-row tiles: pad x to a multiple of 16 rows (zeros; their results are
   // dropped). It reads x as bf16 and never needs the fp32 copy.
@@ -146,15 +174,87 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
       const int64_t row0 = b * block_n;
       const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
       const int mode = static_cast<int>(b < full ? full_mode : tail_mode);
-      bool done = false;
-      // amx: tiles pay off from two activation rows; for one row the AVX512 dot products measured faster.
-      if (isa == 3 && M > 1) done = edgeq::block_amx(a, row0, s, mode, scratch.data());
-      if (isa == 2 || (isa == 3 && M == 1)) done = edgeq::block_avx512(a, row0, s, mode, scratch.data());
-      if (isa == 1) done = edgeq::block_avx2(a, row0, s, mode, scratch.data());
-      if (!done) edgeq::block_scalar(a, row0, s, mode, scratch.data(), scratch.data() + M * 64);
+      run_block(a, isa, row0, s, mode, scratch.data());
     }
   });
   return y;
+}
+
+// Several matrices that read the same x of M < kWideMin rows (a layer's q/k/v, or its gate/up) in one call: one fp32
+// copy of x, its group sums once per distinct group size, one parallel region over all the matrices' row blocks
+// (matrix 0's blocks first; threads take contiguous runs, as in int4_mm), and each matrix's optional bias added to
+// its rows as the runtime adds it to int4_mm's output (`y.add_(bias)`: bf16(float(y) + float(b)), two roundings).
+// Each output is the same bits as int4_mm's followed by that add: the blocks run the same code on the same x, group
+// sums and scratch sizes. It saves, per matrix after the first, the call's dispatch, its x and output buffers, an
+// OpenMP region and the bias op (docs/kernel.md, "Decode breakdown").
+std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweights, at::IntArrayRef group_sizes,
+                                      at::TensorList scales, const c10::List<std::optional<at::Tensor>>& biases,
+                                      int64_t block_n, int64_t full_mode, int64_t tail_modes, int64_t isa) {
+  const int64_t n = static_cast<int64_t>(qweights.size());
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(group_sizes.size()) == n && static_cast<int64_t>(scales.size()) == n &&
+                  static_cast<int64_t>(biases.size()) == n,
+              "int4_mm_multi: ", qweights.size(), " qweights, ", group_sizes.size(), " group sizes, ", scales.size(),
+              " scales_and_zeros, ", biases.size(), " biases: expected as many of each (at least 1)");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) < edgeq::kWideMin,
+              "int4_mm_multi: x must be [M, K] with 1 <= M <= ", edgeq::kWideMin - 1, " (decode rows), got ", x.sizes());
+  int64_t tiles = 0;
+  isa = check_isa(isa, full_mode, &tiles);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> ys, bias(n);
+  std::vector<int64_t> first(n + 1, 0);  // first[i]: matrix i's first block in the combined range
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t N = check_matrix(x, qweights[i], group_sizes[i], scales[i], block_n);
+    const std::optional<at::Tensor> b = biases.get(i);
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->scalar_type() == at::kBFloat16,
+                  "biases[", i, "]: expected bf16 [", N, "], got ", b->scalar_type(), " ", b->sizes());
+      bias[i] = b->contiguous();
+    }
+    ys.push_back(at::empty({M, N}, x.options()));
+    first[i + 1] = first[i] + (N + block_n - 1) / block_n;
+  }
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = edgeq::bf16_to_f32(xb[i]);
+  std::vector<std::vector<float>> sums(n);  // matrix i's group sums; empty when an earlier matrix has its G
+  std::vector<Int4Args> args;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t G = group_sizes[i], ng = K / G;
+    int64_t same = -1;
+    for (int64_t j = 0; j < i && same < 0; ++j) same = group_sizes[j] == G && !sums[j].empty() ? j : -1;
+    if (same < 0) {
+      sums[i].resize(M * ng);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < ng; ++g) {
+          float sum = 0.f;  // in int4_mm's order: the same sums, bit for bit
+          for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xf[m * K + k];
+          sums[i][m * ng + g] = sum;
+        }
+    }
+    args.push_back(Int4Args{xb, xf.data(), same < 0 ? sums[i].data() : sums[same].data(),
+                            qweights[i].data_ptr<uint8_t>(),
+                            reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::BFloat16>()),
+                            reinterpret_cast<uint16_t*>(ys[i].data_ptr<at::BFloat16>()), M, qweights[i].size(0), K, G});
+  }
+  at::parallel_for(0, first[n], 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scratch(2 * M * 64);
+    int64_t i = 0;
+    for (int64_t bb = b0; bb < b1; ++bb) {
+      while (bb >= first[i + 1]) ++i;
+      const Int4Args& a = args[i];
+      const int64_t b = bb - first[i], full = a.N / block_n, tail = a.N % block_n, row0 = b * block_n;
+      const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
+      const int mode = static_cast<int>(b < full ? full_mode : (tail_modes >> (tail / 16)) & 1);
+      run_block(a, isa, row0, s, mode, scratch.data());
+      if (!bias[i].defined()) continue;
+      const uint16_t* bv = reinterpret_cast<const uint16_t*>(bias[i].data_ptr<at::BFloat16>());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = row0; r < row0 + s; ++r)
+          a.y[m * a.N + r] = edgeq::f32_to_bf16(edgeq::bf16_to_f32(a.y[m * a.N + r]) + edgeq::bf16_to_f32(bv[r]));
+    }
+  });
+  return ys;
 }
 
 }  // namespace
@@ -162,8 +262,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
 TORCH_LIBRARY(edgeq, m) {
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, int block_n, int full_mode, "
         "int tail_modes, int isa) -> Tensor");
+  m.def("int4_mm_multi(Tensor x, Tensor[] qweights, int[] group_sizes, Tensor[] scales_and_zeros, Tensor?[] biases, "
+        "int block_n, int full_mode, int tail_modes, int isa) -> Tensor[]");
   m.def("cpu_features() -> int", &cpu_features);
   m.def("prefill_choice() -> int", &prefill_choice);
 }
 
-TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("int4_mm", int4_mm); }
+TORCH_LIBRARY_IMPL(edgeq, CPU, m) {
+  m.impl("int4_mm", int4_mm);
+  m.impl("int4_mm_multi", int4_mm_multi);
+}

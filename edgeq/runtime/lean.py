@@ -46,12 +46,11 @@ from torch.nn import functional as F
 
 from edgeq.env import DECODE_OPS as ENV_DECODE_OPS, choice
 from edgeq.errors import EdgeqError
-from edgeq.runtime import embedding, native
+from edgeq.runtime import embedding, native, projections
+from edgeq.runtime.rope import STATIC_ROPE, rope_tables
 
 DECODE_OPS = ("auto", "native", "torch")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# RoPE types whose inverse frequencies do not depend on the sequence length: a table over positions is exact.
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
@@ -130,13 +129,20 @@ def _eps(norm: nn.Module) -> torch.Tensor:
 class _Layer:
     """References to one decoder layer's tensors and modules (no copies), and its slice of the KV cache."""
 
-    __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "w_in", "eps_in", "w_post", "eps_post", "w_qn", "w_kn",
-                 "eps_qk", "window", "keys", "values", "cache_layer", "scale", "eps_in_f", "eps_post_f")
+    __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "fused", "separate", "w_in", "eps_in", "w_post", "eps_post",
+                 "w_qn", "w_kn", "eps_qk", "window", "keys", "values", "cache_layer", "scale", "eps_in_f", "eps_post_f")
 
     def __init__(self, layer: nn.Module, cache_layer, family: str, config, counts):
         attn, mlp = layer.self_attn, layer.mlp
         self.q, self.k, self.v, self.o = (_linear(m, counts) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.gate, self.up, self.down = (_linear(m, counts) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        # q/k/v and gate/up: one kernel call each where the modules can share one (edgeq.runtime.projections; the
+        # same bits), else one per projection; LeanDecoder.fuse_projections picks (qkv, gate_up) from these two
+        fns = [self.q.fn, self.k.fn, self.v.fn], [self.gate.fn, self.up.fn]
+        self.fused = (projections.group([attn.q_proj, attn.k_proj, attn.v_proj], fns[0]),
+                      projections.group([mlp.gate_proj, mlp.up_proj], fns[1]))
+        self.separate = tuple(projections.separate(f) for f in fns)
+        self.qkv, self.gate_up = self.fused
         self.w_in, self.eps_in = layer.input_layernorm.weight, _eps(layer.input_layernorm)
         self.w_post, self.eps_post = layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm)
         self.eps_in_f = float(layer.input_layernorm.variance_epsilon)  # the native ops take the Python float
@@ -253,6 +259,17 @@ class LeanDecoder:
             self._rot_k = self.rot[h:].view(1, kvh, 1, d)  # index_copy_ source for the cache's [1, kv_heads, T, d]
 
     @property
+    def fuse_projections(self) -> bool:
+        """Whether q/k/v and gate/up run as one kernel call each where the modules allow it (the default; the same
+        bits); False: one call per projection (benchmarks time one against the other)."""
+        return self.layers[0].qkv is self.layers[0].fused[0] if self.layers else True
+
+    @fuse_projections.setter
+    def fuse_projections(self, value: bool) -> None:
+        for L in self.layers:
+            L.qkv, L.gate_up = L.fused if value else L.separate
+
+    @property
     def owned_bytes(self) -> int:
         """Bytes the decoder allocated (RoPE tables, one token's buffers); weights and the cache are not its own."""
         found = {}
@@ -304,7 +321,8 @@ class LeanDecoder:
         return self.head.fn(n)
 
     def _step_native(self, p: int) -> torch.Tensor:
-        """The same step with edgeq's native ops: 13 ops a layer (7 of them the projections) instead of ~50. The
+        """The same step with edgeq's native ops: 10 ops a layer (4 kernel calls for the 7 projections: q/k/v and
+        gate/up each in one, :mod:`edgeq.runtime.projections`, where the modules allow) instead of ~50. The
         residual add of each block is fused into the next norm (``add_rms_norm(x, delta, ...)``)."""
         x, n = self.x, self.n
         h, d = self.heads, self.head_dim
@@ -313,7 +331,7 @@ class LeanDecoder:
         delta = None
         for L in self.layers:
             native.add_rms_norm(x, delta, L.w_in, L.eps_in_f, n)
-            q, k, v = L.q.fn(n), L.k.fn(n), L.v.fn(n)
+            q, k, v = L.qkv(n)
             if L.w_qn is not None:
                 self._qk_q.copy_(q.view(h, d))
                 self._qk_k.copy_(k.view(-1, d))
@@ -334,9 +352,9 @@ class LeanDecoder:
     @staticmethod
     def _gated(L: _Layer, n: torch.Tensor) -> torch.Tensor:
         """silu(n @ Wg^T) * (n @ Wu^T), in place on the gate's output."""
-        g = L.gate.fn(n)
+        g, u = L.gate_up(n)
         F.silu(g, inplace=True)
-        return g.mul_(L.up.fn(n))
+        return g.mul_(u)
 
     def _qk_norm(self, L: _Layer) -> None:
         """Qwen3: RMSNorm over each head of q and k (rows of ``qk``), in place."""
@@ -373,27 +391,3 @@ def ops_choice(request: str | None) -> tuple[str, str]:
     if picked == "native":
         raise EdgeqError(f"{source}=native but the native library does not run here: {why}; use auto or torch")
     return "torch", f"native library unavailable ({why})"
-
-
-def rope_tables(rotary: nn.Module, positions: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, nsin) [positions, head_dim] in ``dtype`` from the model's own rotary module, so scaling variants
-    (linear, llama3, yarn's attention factor) are the model's. ``nsin`` is sin with its first half negated.
-
-    Computed in blocks of whole rows. Elementwise cos/sin of a row equal the values transformers computes for one
-    position when the row is a whole number of the vector loop's double vectors (32 floats on AVX512), so blocks are
-    used when ``head_dim % 32 == 0`` and one row at a time otherwise (the scalar tail then falls on the same
-    elements as in transformers' own call).
-    """
-    cos = torch.empty(positions, head_dim, dtype=dtype)
-    nsin = torch.empty(positions, head_dim, dtype=dtype)
-    block = max(1, (32768 // head_dim)) if head_dim % 32 == 0 else 1  # one parallel chunk, no split rows
-    probe = torch.empty(1, 1, head_dim, dtype=dtype)
-    with torch.no_grad():
-        for a in range(0, positions, block):
-            b = min(positions, a + block)
-            c, s = rotary(probe, torch.arange(a, b)[None])
-            cos[a:b] = c[0]
-            nsin[a:b] = s[0]
-    nsin[:, : head_dim // 2].neg_()
-    return cos, nsin
-

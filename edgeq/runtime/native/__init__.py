@@ -37,6 +37,7 @@ from edgeq.runtime.native.w4a16 import (
     build_key,
     call_count,
     int4_mm,
+    int4_mm_multi,
     plan,
     prefill_tiles,
     reset_call_count,
@@ -46,6 +47,6 @@ from edgeq.runtime.native.w4a16 import (
 
 __all__ = [
     "ADJACENT", "BLOCK_NS", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "argmax_finite", "available", "build_key",
-    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "isa_request", "plan", "prefill_attn",
+    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "int4_mm_multi", "isa_request", "plan", "prefill_attn",
     "prefill_attn_available", "prefill_tiles", "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

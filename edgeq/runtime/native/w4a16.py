@@ -203,6 +203,34 @@ def int4_mm(
     return y
 
 
+def int4_mm_multi(
+    x: torch.Tensor,
+    weights: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]],
+    *,
+    layout: tinygemm.TinygemmLayout | None = None,
+    isa: str | None = None,
+) -> list[torch.Tensor]:
+    """Several matrices that read the same decode rows in one call: ``weights`` is a list of ``(qweight, group_size,
+    scales_and_zeros, bias or None)``; returns ``[int4_mm(x, W_i) (+ b_i)]``, bf16 [M, N_i] each, new tensors.
+
+    The same bits as :func:`int4_mm` per matrix followed by ``y.add_(bias)`` (edgeq/csrc/int4mm_ops.cpp): one fp32
+    copy of x, its group sums once per group size, one parallel region over all row blocks. For the decode loop's
+    q/k/v and gate/up (1 <= M <= 2 rows; prefill tiles are not run here). Raises :class:`EdgeqError` as
+    :func:`int4_mm` does, and when M is out of range or a bias has the wrong shape."""
+    global _calls
+    st = _state or _LIBRARY.load()
+    if not st.available:
+        raise EdgeqError(f"native int4_mm is not available: {st.reason}")
+    args = _kernel_args(st, layout, isa)
+    qws, groups, szs, biases = (list(t) for t in zip(*weights)) if weights else ([], [], [], [])
+    try:
+        ys = _multi_op(x, qws, groups, szs, biases, *args)
+    except RuntimeError as e:
+        raise EdgeqError(f"native int4_mm_multi: {str(e).splitlines()[0]}") from e
+    _calls += len(ys)
+    return ys
+
+
 PREFILL_TILES = {"bf16": 1, "fp32": 2}  # the op's isa bits 4-5 (edgeq/csrc/int4mm_ops.cpp)
 NARROW = 3  # bits 4-5 = 3: the avx2 path's 2-row tiles at every M (``prefill="narrow"``: measurements and tests only)
 
@@ -230,3 +258,10 @@ def _op(*args):
     global _op
     _op = torch.ops.edgeq.int4_mm.default
     return _op(*args)
+
+
+def _multi_op(*args):
+    """torch.ops.edgeq.int4_mm_multi.default, looked up once."""
+    global _multi_op
+    _multi_op = torch.ops.edgeq.int4_mm_multi.default
+    return _multi_op(*args)
