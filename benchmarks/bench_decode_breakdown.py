@@ -28,7 +28,8 @@ one for gate/up (``LeanDecoder.fuse_projections = False``; the same bits): what 
 the passes' spread): per context one prefill, then N rounds, each running every arm for ``--steps`` steps from the
 same cache length (the cache rewound between chunks), the arms' order reversed every round; reported per arm
 ms/token median [min-max] and, against the first arm, the median of the per-round differences and in how many
-rounds the arm was slower.
+rounds the arm was slower. The ablations are arms here too (``--ops "native,without attention"``: what the
+attention costs in the step, paired).
 
 ``--ablate`` (native ops) adds arms that time the same step with one class of native op replaced by a no-op (the
 logits are then wrong; only the time counts): ``without attention`` (``decode_attn``), ``without norms + RoPE``
@@ -43,6 +44,7 @@ without the profiler's per-op inflation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -92,10 +94,11 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
         t = {a: [] for a in arms}
         for r in range(rounds):
             for a in arms if r % 2 == 0 else arms[::-1]:
-                _arm(lm, a)
+                _arm(lm, "native" if a in ABLATIONS else a)
                 for layer in lm.cache.layers:  # rewind: every chunk decodes after the same c tokens
                     layer.length = c
-                t[a].append(_steps(lm, token, steps) / steps * 1e3)
+                with _without(ABLATIONS.get(a, ())):
+                    t[a].append(_steps(lm, token, steps) / steps * 1e3)
         for a in arms:
             d = [y - x for x, y in zip(t[arms[0]], t[a])]
             rows.append(dict(context=c, ops=a, step_ms=statistics.median(t[a]), step_min=min(t[a]),
@@ -107,21 +110,28 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
 ABLATIONS = {"without attention": ("decode_attn",), "without norms + RoPE": ("add_rms_norm", "rope_to_cache")}
 
 
-def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> float:
-    """ms per token of the native step with ``ops`` (edgeq.runtime.native functions) replaced by no-ops."""
+@contextlib.contextmanager
+def _without(ops: tuple[str, ...]):
+    """The native step with ``ops`` (edgeq.runtime.native functions) replaced by no-ops while inside."""
     from edgeq.runtime import native
 
     saved = {name: getattr(native, name) for name in ops}
-    _arm(lm, "native")
-    token = _prefill(lm, ctx, vocab)
     try:
         for name in ops:
             setattr(native, name, lambda *a, **k: None)
-        _steps(lm, token, 2)
-        return _steps(lm, token, steps) / steps * 1e3
+        yield
     finally:
         for name, fn in saved.items():
             setattr(native, name, fn)
+
+
+def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> float:
+    """ms per token of the native step with ``ops`` replaced by no-ops."""
+    _arm(lm, "native")
+    token = _prefill(lm, ctx, vocab)
+    with _without(ops):
+        _steps(lm, token, 2)
+        return _steps(lm, token, steps) / steps * 1e3
 
 
 def _ops(arm: str) -> str:
@@ -194,7 +204,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a.strip() for a in args.ops.split(",")]
     for arm in arms:
-        ops_choice(_ops(arm))  # an arm that cannot run here is an error before anything is timed
+        ops_choice(_ops(arm) if arm not in ABLATIONS or not args.paired else "native")  # refused before any timing
     lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
               kv_cache_bytes="1GiB",
               decode_ops=_ops(arms[0]))

@@ -1,13 +1,16 @@
 // Decode attention, avx2 unit (AVX2 + FMA), head sizes D that are a multiple of 8 (others run the scalar task).
 //
-// Scores, per block of 8 keys: the block's rows are widened once to fp32 (bf16 -> fp32 is a 16-bit shift; a tail
-// block is padded with zero rows), then for each query head g (queries widened once per task) acc[i] (i = key of
-// the block, 8 ymm) += q_g[8 d] * k_i[8 d] over D; reduce8 adds the 8 lanes of all 8 accumulators at once and leaves
-// key i's score in lane i. Softmax per head: vector max, exp_nonpositive's steps on 8 lanes, the sum in 8 lanes.
+// Scores, two keys at a time: each 8 values of a key row are widened once to fp32 (bf16 -> fp32 is a 16-bit shift)
+// and FMA'd into the sums of every query head of a tile of <= 6 (queries widened once per task): acc[key][head]
+// holds 8 lanes over D, 12 sums in registers for 2 keys x 6 heads; reduce8 then adds the 8 lanes of 8 sums at once
+// (the same lane order for every sum). The keys were first widened into an fp32 block of 8 rows and re-read for
+// each head (9 loads per 8 FMAs and a store per 8 values): 1.3x slower for the Qwen2.5-1.5B shape (docs/kernel.md,
+// "Decode attention, blocked"); the bits are the same (the same products, sums and reduction order).
+// Softmax per head: vector max, exp_nonpositive's steps on 8 lanes, the sum in 8 lanes.
 // Values: the output o[g, D] is tiled into up to 6 heads x 2 pieces of 8 fp32 lanes (<= 12 ymm accumulators held
 // for the whole chunk); per key, each V piece is widened once and fma'd into every head of the tile with that head's
-// broadcast probability. Every (head, d) adds its keys in order. Prefetching as in the avx512 unit
-// (attn_decode.h's prefetch_rows): keys 4 blocks ahead, a block's values with its scores, the next chunk's keys.
+// broadcast probability. Every (head, d) adds its keys in order. Prefetching (attn_decode.h's prefetch_rows): keys
+// 32 ahead into L1, a key pair's values with its scores into L2, the next chunk's keys during the values pass.
 #include <immintrin.h>
 
 #include <cstring>
@@ -26,8 +29,6 @@
 namespace edgeq_attn {
 namespace {
 
-constexpr int BK = 8;  // keys per score block
-
 // lane i of the result = the sum of the 8 lanes of a[i], in a fixed order.
 inline __m256 reduce8(const __m256* a) {
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // [a0..a3 | a0..a3]
@@ -35,30 +36,63 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-// s[g * ss + t] = scale * (q_g . k_t) for the task's keys; qf: the group's queries in fp32, kf: [8, D] fp32 scratch.
-void scores(const TaskView& tv, int64_t D, float scale, const float* qf, float* kf, float* s, int64_t ss) {
+// Scores of NK (1 or 2) keys at t for NH (<= 6) heads h0..: acc[key][head] (8 lanes over D) += q_h[8 d] * k[8 d],
+// each 8 values of a key row widened once and used for all NH heads (12 sums, 2 key pieces and one query piece
+// in registers); then the sums are reduced 8 at a time by reduce8 (the same lane order for every sum) and scaled.
+template <int NH, int NK>
+inline void score_tile(const uint16_t* k, int64_t D, const float* qf, int64_t h0, float scale, float* s, int64_t ss,
+                       int64_t t) {
+  __m256 acc[NK][NH];
+#pragma GCC unroll 6
+  for (int j = 0; j < NK; ++j)
+#pragma GCC unroll 6
+    for (int h = 0; h < NH; ++h) acc[j][h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[NK];
+#pragma GCC unroll 2
+    for (int j = 0; j < NK; ++j) kv[j] = widen8(k + j * D + d);
+#pragma GCC unroll 6
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qv = _mm256_loadu_ps(qf + (h0 + h) * D + d);
+#pragma GCC unroll 2
+      for (int j = 0; j < NK; ++j) acc[j][h] = _mm256_fmadd_ps(qv, kv[j], acc[j][h]);
+    }
+  }
+  __m256 all[16];
+  int n = 0;
+#pragma GCC unroll 6
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 2
+    for (int j = 0; j < NK; ++j) all[n++] = acc[j][h];
+  for (int i = n; i < 16; ++i) all[i] = _mm256_setzero_ps();
   const __m256 vscale = _mm256_set1_ps(scale);
-  constexpr int64_t PF = 4 * BK;  // keys prefetched ahead
+  alignas(32) float r[16];
+  _mm256_store_ps(r, _mm256_mul_ps(reduce8(all), vscale));
+  if (n > 8) _mm256_store_ps(r + 8, _mm256_mul_ps(reduce8(all + 8), vscale));
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < NK; ++j) s[(h0 + h) * ss + t + j] = r[h * NK + j];
+}
+
+using ScoreFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, float, float*, int64_t, int64_t);
+#define EDGEQ_SCORES(h) &score_tile<h, 1>, &score_tile<h, 2>
+const ScoreFn kScores[6][2] = {{EDGEQ_SCORES(1)}, {EDGEQ_SCORES(2)}, {EDGEQ_SCORES(3)},
+                               {EDGEQ_SCORES(4)}, {EDGEQ_SCORES(5)}, {EDGEQ_SCORES(6)}};
+#undef EDGEQ_SCORES
+
+// s[g * ss + t] = scale * (q_g . k_t) for the task's keys, two keys at a time, the heads in tiles of <= 6 (7 -> 4 +
+// 3); qf: the group's queries in fp32. Keys are prefetched PF ahead into L1, a pair's values into L2.
+void scores(const TaskView& tv, int64_t D, float scale, const float* qf, float* s, int64_t ss) {
+  constexpr int64_t PF = 32;  // keys prefetched ahead
   prefetch_rows(tv.k, (tv.n < PF ? tv.n : PF) * D * 2, true);
-  for (int64_t b = 0; b < tv.n; b += BK) {
-    const int64_t nk = tv.n - b < BK ? tv.n - b : BK, ahead = b + PF;
-    if (ahead < tv.n) prefetch_rows(tv.k + ahead * D, (tv.n - ahead < BK ? tv.n - ahead : BK) * D * 2, true);
-    prefetch_rows(tv.v + b * D, nk * D * 2, false);
-    for (int64_t i = 0; i < nk; ++i)
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kf + i * D + d, widen8(tv.k + (b + i) * D + d));
-    if (nk < BK) std::memset(kf + nk * D, 0, (BK - nk) * D * sizeof(float));
-    for (int64_t g = 0; g < tv.group; ++g) {
-      const float* qg = qf + g * D;
-      __m256 acc[BK];
-      for (int i = 0; i < BK; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + d);
-#pragma GCC unroll 8
-        for (int i = 0; i < BK; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + i * D + d), acc[i]);
-      }
-      alignas(32) float r[BK];
-      _mm256_store_ps(r, _mm256_mul_ps(reduce8(acc), vscale));
-      for (int64_t i = 0; i < nk; ++i) s[g * ss + b + i] = r[i];
+  const int64_t ntiles = (tv.group + 5) / 6;
+  for (int64_t t = 0; t < tv.n; t += 2) {
+    const int64_t nk = tv.n - t < 2 ? 1 : 2, ahead = t + PF;
+    if (ahead < tv.n) prefetch_rows(tv.k + ahead * D, (tv.n - ahead < 2 ? 1 : 2) * D * 2, true);
+    prefetch_rows(tv.v + t * D, nk * D * 2, false);
+    for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
+      const int64_t nh = tv.group / ntiles + (ti < tv.group % ntiles ? 1 : 0);
+      kScores[nh - 1][nk - 1](tv.k + t * D, D, qf, h0, scale, s, ss, t);
+      h0 += nh;
     }
   }
 }
@@ -106,9 +140,8 @@ void task_avx2(const AttnArgs& a, int64_t task, float* scratch) {
   const int64_t group = tv.group, n = tv.n, ss = a.chunk, os = 2 + D;
   float* s = scratch;            // [group, chunk]: scores, then probabilities
   float* qf = s + group * ss;    // [group, D]: the queries in fp32
-  float* kf = qf + group * D;    // [8, D]: one key block in fp32
   for (int64_t i = 0; i < group * D; i += 8) _mm256_storeu_ps(qf + i, widen8(tv.q + i));
-  scores(tv, D, a.scale, qf, kf, s, ss);
+  scores(tv, D, a.scale, qf, s, ss);
   softmax_heads(tv, D, s, ss, [](float* row, int64_t len, float* m, float* l) { softmax_row(row, len, m, l); });
   // D in tiles of 2 pieces of 8 lanes (one when 8 is left).
   head_tiles(a, tv, [&](int64_t h0, int64_t nh, int64_t& npf) {
