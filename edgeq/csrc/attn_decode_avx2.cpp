@@ -40,7 +40,7 @@ inline __m256 reduce8(const __m256* a) {
 // each 8 values of a key row widened once and used for all NH heads (12 sums, 2 key pieces and one query piece
 // in registers); then the sums are reduced 8 at a time by reduce8 (the same lane order for every sum) and scaled.
 template <int NH, int NK>
-inline void score_tile(const uint16_t* k, int64_t D, const float* qf, int64_t h0, float scale, float* s, int64_t ss,
+inline void score_keys(const uint16_t* k, int64_t D, const float* qf, int64_t h0, __m256 vscale, float* s, int64_t ss,
                        int64_t t) {
   __m256 acc[NK][NH];
 #pragma GCC unroll 6
@@ -65,7 +65,6 @@ inline void score_tile(const uint16_t* k, int64_t D, const float* qf, int64_t h0
 #pragma GCC unroll 2
     for (int j = 0; j < NK; ++j) all[n++] = acc[j][h];
   for (int i = n; i < 16; ++i) all[i] = _mm256_setzero_ps();
-  const __m256 vscale = _mm256_set1_ps(scale);
   alignas(32) float r[16];
   _mm256_store_ps(r, _mm256_mul_ps(reduce8(all), vscale));
   if (n > 8) _mm256_store_ps(r + 8, _mm256_mul_ps(reduce8(all + 8), vscale));
@@ -73,27 +72,36 @@ inline void score_tile(const uint16_t* k, int64_t D, const float* qf, int64_t h0
     for (int j = 0; j < NK; ++j) s[(h0 + h) * ss + t + j] = r[h * NK + j];
 }
 
-using ScoreFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, float, float*, int64_t, int64_t);
-#define EDGEQ_SCORES(h) &score_tile<h, 1>, &score_tile<h, 2>
-const ScoreFn kScores[6][2] = {{EDGEQ_SCORES(1)}, {EDGEQ_SCORES(2)}, {EDGEQ_SCORES(3)},
-                               {EDGEQ_SCORES(4)}, {EDGEQ_SCORES(5)}, {EDGEQ_SCORES(6)}};
-#undef EDGEQ_SCORES
-
-// s[g * ss + t] = scale * (q_g . k_t) for the task's keys, two keys at a time, the heads in tiles of <= 6 (7 -> 4 +
-// 3); qf: the group's queries in fp32. Keys are prefetched PF ahead into L1, a pair's values into L2.
-void scores(const TaskView& tv, int64_t D, float scale, const float* qf, float* s, int64_t ss) {
+// All n keys of a task for the heads h0 .. h0 + NH - 1, two at a time; keys are prefetched PF ahead into L1 and a
+// pair's values into L2 (in the first head tile only: pf).
+template <int NH>
+void score_tile(const uint16_t* k, const uint16_t* v, int64_t n, int64_t D, const float* qf, int64_t h0, float scale,
+                float* s, int64_t ss, bool pf) {
   constexpr int64_t PF = 32;  // keys prefetched ahead
-  prefetch_rows(tv.k, (tv.n < PF ? tv.n : PF) * D * 2, true);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  if (pf) prefetch_rows(k, (n < PF ? n : PF) * D * 2, true);
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    if (pf && t + PF < n) prefetch_rows(k + (t + PF) * D, (n - t - PF < 2 ? 1 : 2) * D * 2, true);
+    if (pf) prefetch_rows(v + t * D, 2 * D * 2, false);
+    score_keys<NH, 2>(k + t * D, D, qf, h0, vscale, s, ss, t);
+  }
+  if (t < n) score_keys<NH, 1>(k + t * D, D, qf, h0, vscale, s, ss, t);
+}
+
+using ScoreFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, const float*, int64_t, float, float*,
+                         int64_t, bool);
+const ScoreFn kScores[6] = {&score_tile<1>, &score_tile<2>, &score_tile<3>, &score_tile<4>, &score_tile<5>,
+                            &score_tile<6>};
+
+// s[g * ss + t] = scale * (q_g . k_t) for the task's keys, the heads in tiles of <= 6 (7 -> 4 + 3); qf: the
+// group's queries in fp32.
+void scores(const TaskView& tv, int64_t D, float scale, const float* qf, float* s, int64_t ss) {
   const int64_t ntiles = (tv.group + 5) / 6;
-  for (int64_t t = 0; t < tv.n; t += 2) {
-    const int64_t nk = tv.n - t < 2 ? 1 : 2, ahead = t + PF;
-    if (ahead < tv.n) prefetch_rows(tv.k + ahead * D, (tv.n - ahead < 2 ? 1 : 2) * D * 2, true);
-    prefetch_rows(tv.v + t * D, nk * D * 2, false);
-    for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
-      const int64_t nh = tv.group / ntiles + (ti < tv.group % ntiles ? 1 : 0);
-      kScores[nh - 1][nk - 1](tv.k + t * D, D, qf, h0, scale, s, ss, t);
-      h0 += nh;
-    }
+  for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
+    const int64_t nh = tv.group / ntiles + (ti < tv.group % ntiles ? 1 : 0);
+    kScores[nh - 1](tv.k, tv.v, tv.n, D, qf, h0, scale, s, ss, ti == 0);
+    h0 += nh;
   }
 }
 
