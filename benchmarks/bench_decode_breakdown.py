@@ -242,10 +242,8 @@ def main() -> None:
     finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
     s = lm.settings
-    print(f"# decode breakdown: {args.checkpoint}")
-    print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, "
-          f"decode path {s.decode_path}, loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed "
-          f"passes {cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
+    _header(f"# decode breakdown: {args.checkpoint}", started, finished, lm, args,
+            f"loop {s.decode_loop}, torch {torch.__version__}; CPU share of the timed passes", cpu_share)
     print(f"kernel only (the step's linear calls, {7 * len(lm.decoder.layers) + 1} matrices, replayed in every pass): {kernel_ms:.2f} "
           f"ms/token\n")
     print("| context | ops | step ms/token, median [min-max] | tok/s | outside the matmuls | "
@@ -279,16 +277,22 @@ def main() -> None:
                            omp=os.environ.get("OMP_WAIT_POLICY")), f, indent=2)
 
 
+def _header(title: str, started: str, finished: str, lm, args, what: str, cpu_share: float) -> None:
+    s = lm.settings
+    print(title)
+    print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, decode path "
+          f"{s.decode_path}, {what} {cpu_share:.0%} of {args.threads} threads"
+          + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
+
+
 def _report_paired(lm, args, arms, contexts, vocab, started) -> None:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     rows = _paired(lm, arms, contexts, vocab, args.paired, args.steps)
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0) / args.threads
     finished = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     s = lm.settings
-    print(f"# decode A/B, paired: {args.checkpoint}")
-    print(f"{started} -> {finished}; {platform.processor() or platform.machine()}, threads {s.threads}, decode path "
-          f"{s.decode_path}, torch {torch.__version__}; {args.paired} rounds of {args.steps} steps per arm; CPU share "
-          f"{cpu_share:.0%} of {args.threads} threads" + ("  (STARVED: another process was running)" if cpu_share < 0.85 else ""))
+    _header(f"# decode A/B, paired: {args.checkpoint}", started, finished, lm, args,
+            f"torch {torch.__version__}; {args.paired} rounds of {args.steps} steps per arm; CPU share", cpu_share)
     print(f"\n| context | ops | step ms/token, median [min-max] | minus {arms[0]}, median of rounds (ms) | rounds slower |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ from edgeq import env
 from edgeq.cli.native import native_command
 from edgeq.runtime import native
 from edgeq.runtime.native import w4a16
-from helpers.native import excess, halves, make_layout, outlier_activations, problem
+from helpers.native import excess, halves, make_layout, outlier_activations, problem, ready_or_skip
 
 # (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
 CASES = [
@@ -53,12 +52,7 @@ HALVES_TAILS = make_layout(64, halves(64), tails="halves")  # not seen from torc
 @pytest.fixture(scope="session")
 def ready():
     """Build (or load from the cache) once per session; a build failure fails the tests with the compiler's reason."""
-    st = native.status()
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"native kernel is x86-64 only: {st['reason']}")
-    if not st["available"]:
-        pytest.fail(f"native kernel unavailable: {st['reason']}")
-    return st
+    return ready_or_skip()
 
 
 def paths(ready):
@@ -251,7 +245,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {tests!r})
-    from helpers.native import excess, halves, make_layout, outlier_activations, problem
+    from helpers.native import excess, halves, make_layout, outlier_activations, problem, ready_or_skip
     from edgeq.runtime import native
     out = {{"available": native.available(), "status": native.status(), "excess": 0.0}}
     layout = make_layout(64, halves(64))
@@ -281,7 +275,7 @@ _TILES_CHILD = textwrap.dedent(
     """
     import json, sys, torch
     sys.path.insert(0, {tests!r})
-    from helpers.native import problem
+    from helpers.native import problem, ready_or_skip
     from edgeq.layouts import tinygemm
     from edgeq.runtime import native
     x, qw, sz, _, _ = problem(20, 128, 512, 128, seed=9, layout=tinygemm.probe())

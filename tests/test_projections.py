@@ -6,7 +6,6 @@ runs one call per projection."""
 
 from __future__ import annotations
 
-import platform
 import shutil
 
 import pytest
@@ -17,7 +16,7 @@ from edgeq.layouts import tinygemm
 from edgeq.runtime import load, native, projections
 from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.models import save_hf, tiny_model
-from helpers.native import problem
+from helpers.native import problem, ready_or_skip
 from helpers.perm import permute
 
 PROMPT = list(range(5, 29))
@@ -25,12 +24,7 @@ PROMPT = list(range(5, 29))
 
 @pytest.fixture(scope="module")
 def ready():
-    st = native.status()
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"native kernel is x86-64 only: {st['reason']}")
-    if not st["available"]:
-        pytest.fail(f"native kernel unavailable: {st['reason']}")
-    return st
+    return ready_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,9 @@ in a chosen tinygemm layout, with the fp64 reference and the stated tolerance (t
 
 from __future__ import annotations
 
+import platform
+
+import pytest
 import torch
 
 from edgeq.layouts import tinygemm
@@ -52,3 +55,16 @@ def problem(m: int, n: int, k: int, g: int, seed: int, layout: tinygemm.Tinygemm
 def excess(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
     """max(|y - ref| / bound): <= 1 means within the stated tolerance."""
     return float(((y.double() - ref).abs() / bound).max())
+
+
+def ready_or_skip() -> dict:
+    """The native library's status for a test module's ``ready`` fixture: skipped off x86-64, a failure (with the
+    compiler's reason) where it should build but does not."""
+    from edgeq.runtime import native
+
+    st = native.status()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"native kernel is x86-64 only: {st['reason']}")
+    if not st["available"]:
+        pytest.fail(f"native kernel unavailable: {st['reason']}")
+    return st
