@@ -70,7 +70,8 @@ def _category(ev, vocab: int) -> str:
         return "argmax"
     if name in KERNEL_OPS or name.startswith("edgeq_w4a8::"):
         weights = [s for s in (ev.input_shapes or [])[1:] if s]  # x first, then the weight tensors
-        return "head" if any(s[0] == vocab for s in weights) else "matmul kernel"
+        # the head's rows: N for the W4A16 layouts, N / 32 column blocks for the W4A8 one ([N/32, K/bk, ...])
+        return "head" if any(s[0] in (vocab, vocab // 32) for s in weights) else "matmul kernel"
     return "norms, RoPE, elementwise"
 
 
