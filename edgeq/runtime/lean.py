@@ -129,8 +129,9 @@ def _eps(norm: nn.Module) -> torch.Tensor:
 class _Layer:
     """References to one decoder layer's tensors and modules (no copies), and its slice of the KV cache."""
 
-    __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "fused", "separate", "w_in", "eps_in", "w_post", "eps_post",
-                 "w_qn", "w_kn", "eps_qk", "window", "keys", "values", "cache_layer", "scale", "eps_in_f", "eps_post_f")
+    __slots__ = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "fused", "separate", "w_in", "eps_in",
+                 "w_post", "eps_post", "w_qn", "w_kn", "eps_qk", "window", "keys", "values", "cache_layer", "scale",
+                 "eps_in_f", "eps_post_f")
 
     def __init__(self, layer: nn.Module, cache_layer, family: str, config, counts):
         attn, mlp = layer.self_attn, layer.mlp

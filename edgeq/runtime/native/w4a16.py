@@ -160,6 +160,14 @@ def _kernel_args(st: build.State, layout, isa) -> tuple[int, int, int, int]:
     return _plan_for(st, layout).kernel_args + (isa_code(st, isa) | _env_tiles() << 4,)
 
 
+def _ready_args(layout, isa) -> tuple[int, int, int, int]:
+    """The op's trailing arguments for this call, or :class:`EdgeqError` when the library does not run here."""
+    st = _state or _LIBRARY.load()
+    if not st.available:
+        raise EdgeqError(f"native int4_mm is not available: {st.reason}")
+    return _kernel_args(st, layout, isa)
+
+
 def isa_code(st: build.State, isa: str | None) -> int:
     """The code of ``isa`` (None: the process's choice) for this library's ops; messages name ``int4_mm``."""
     return build.isa_code(SPEC, st, isa, "int4_mm")
@@ -186,10 +194,7 @@ def int4_mm(
     Raises :class:`EdgeqError` when the kernel is unavailable, the layout unsupported, or the shapes/dtypes wrong.
     """
     global _calls
-    st = _state or _LIBRARY.load()
-    if not st.available:
-        raise EdgeqError(f"native int4_mm is not available: {st.reason}")
-    args = _kernel_args(st, layout, isa)
+    args = _ready_args(layout, isa)
     if prefill is not None:
         code = NARROW if prefill == "narrow" else PREFILL_TILES.get(prefill)
         if code is None:
@@ -218,10 +223,7 @@ def int4_mm_multi(
     q/k/v and gate/up (1 <= M <= 2 rows; prefill tiles are not run here). Raises :class:`EdgeqError` as
     :func:`int4_mm` does, and when M is out of range or a bias has the wrong shape."""
     global _calls
-    st = _state or _LIBRARY.load()
-    if not st.available:
-        raise EdgeqError(f"native int4_mm is not available: {st.reason}")
-    args = _kernel_args(st, layout, isa)
+    args = _ready_args(layout, isa)
     qws, groups, szs, biases = (list(t) for t in zip(*weights)) if weights else ([], [], [], [])
     try:
         ys = _multi_op(x, qws, groups, szs, biases, *args)
