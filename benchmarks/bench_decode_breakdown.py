@@ -28,8 +28,8 @@ one for gate/up (``LeanDecoder.fuse_projections = False``; the same bits): what 
 the passes' spread): per context one prefill, then N rounds, each running every arm for ``--steps`` steps from the
 same cache length (the cache rewound between chunks), the arms' order reversed every round; reported per arm
 ms/token median [min-max] and, against the first arm, the median of the per-round differences and in how many
-rounds the arm was slower. The ablations are arms here too (``--ops "native,without attention"``: what the
-attention costs in the step, paired).
+rounds the arm was slower. The ablations and ``kernel only`` are arms here too (``--ops "native,without attention"``:
+what the attention costs in the step; ``--ops "native,kernel only"``: the time outside the matmuls, paired).
 
 ``--ablate`` (native ops) adds arms that time the same step with one class of native op replaced by a no-op (the
 logits are then wrong; only the time counts): ``without attention`` (``decode_attn``), ``without norms + RoPE``
@@ -95,9 +95,12 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
         t = {a: [] for a in arms}
         for r in range(rounds):
             for a in arms if r % 2 == 0 else arms[::-1]:
-                _arm(lm, "native" if a in ABLATIONS else a)
+                _arm(lm, "native" if a in ABLATIONS or a == "kernel only" else a)
                 for layer in lm.cache.layers:  # rewind: every chunk decodes after the same c tokens
                     layer.length = c
+                if a == "kernel only":
+                    t[a].append(_replay_linears(lm, steps) * 1e3)
+                    continue
                 with _without(ABLATIONS.get(a, ())):
                     t[a].append(_steps(lm, token, steps) / steps * 1e3)
         for a in arms:
@@ -205,7 +208,8 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a.strip() for a in args.ops.split(",")]
     for arm in arms:
-        ops_choice(_ops(arm) if arm not in ABLATIONS or not args.paired else "native")  # refused before any timing
+        paired_only = args.paired and (arm in ABLATIONS or arm == "kernel only")
+        ops_choice("native" if paired_only else _ops(arm))  # an arm that cannot run here is refused before any timing
     lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
               kv_cache_bytes="1GiB",
               decode_ops=_ops(arms[0]))
