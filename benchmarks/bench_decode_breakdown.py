@@ -95,7 +95,7 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
         t = {a: [] for a in arms}
         for r in range(rounds):
             for a in arms if r % 2 == 0 else arms[::-1]:
-                _arm(lm, "native" if a in ABLATIONS or a == "kernel only" else a)
+                _arm(lm, a)
                 for layer in lm.cache.layers:  # rewind: every chunk decodes after the same c tokens
                     layer.length = c
                 if a == "kernel only":
@@ -112,6 +112,7 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
 
 
 ABLATIONS = {"without attention": ("decode_attn",), "without norms + RoPE": ("add_rms_norm", "rope_to_cache")}
+PAIRED_ONLY = ("kernel only", *ABLATIONS)  # --ops arms only --paired takes (the passes add them by themselves)
 
 
 @contextlib.contextmanager
@@ -139,8 +140,8 @@ def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> floa
 
 
 def _ops(arm: str) -> str:
-    """The decode ops an arm runs (``native-separate`` is the native ops with one call per projection)."""
-    return "native" if arm == "native-separate" else arm
+    """The decode ops an arm runs: ``native-separate``, the ablations and ``kernel only`` run on the native ops."""
+    return "native" if arm in ("native-separate", *PAIRED_ONLY) else arm
 
 
 def _arm(lm, arm: str) -> None:
@@ -208,8 +209,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a.strip() for a in args.ops.split(",")]
     for arm in arms:
-        paired_only = args.paired and (arm in ABLATIONS or arm == "kernel only")
-        ops_choice("native" if paired_only else _ops(arm))  # an arm that cannot run here is refused before any timing
+        if arm in PAIRED_ONLY and not args.paired:
+            raise SystemExit(f"--ops {arm!r}: only with --paired (the passes time it by themselves; --ablate)")
+        ops_choice(_ops(arm))  # an arm that cannot run here is refused before any timing
     lm = load(args.checkpoint, max_model_len=max(contexts) + args.steps + 8, threads=args.threads,
               kv_cache_bytes="1GiB",
               decode_ops=_ops(arms[0]))

@@ -44,6 +44,13 @@ static inline int64_t chunk_keys(int64_t T, int64_t KVH) {
   return chunk < 64 ? 64 : chunk > 256 ? 256 : chunk;
 }
 
+// Query heads of a GQA group in tiles of at most 6, balanced (7 -> 4 + 3, 13 -> 5 + 4 + 4): the number of tiles,
+// and how many heads tile ti of `ntiles` holds. The SIMD units' score and value passes both walk these tiles.
+static inline int64_t head_tile_count(int64_t group) { return (group + 5) / 6; }
+static inline int64_t head_tile_size(int64_t group, int64_t ntiles, int64_t ti) {
+  return group / ntiles + (ti < group % ntiles ? 1 : 0);
+}
+
 // Floats of scratch one task needs (each thread holds one): scores, the group's queries in fp32, one key block.
 static inline int64_t scratch_floats(int64_t group, int64_t D, int64_t chunk) {
   return group * (chunk + D) + 16 * D + 64;

@@ -97,9 +97,9 @@ const ScoreFn kScores[6] = {&score_tile<1>, &score_tile<2>, &score_tile<3>, &sco
 // s[g * ss + t] = scale * (q_g . k_t) for the task's keys, the heads in tiles of <= 6 (7 -> 4 + 3); qf: the
 // group's queries in fp32.
 void scores(const TaskView& tv, int64_t D, float scale, const float* qf, float* s, int64_t ss) {
-  const int64_t ntiles = (tv.group + 5) / 6;
+  const int64_t ntiles = head_tile_count(tv.group);
   for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
-    const int64_t nh = tv.group / ntiles + (ti < tv.group % ntiles ? 1 : 0);
+    const int64_t nh = head_tile_size(tv.group, ntiles, ti);
     kScores[nh - 1](tv.k, tv.v, tv.n, D, qf, h0, scale, s, ss, ti == 0);
     h0 += nh;
   }

@@ -29,9 +29,9 @@ template <class Tile>
 inline void head_tiles(const AttnArgs& a, const TaskView& tv, Tile tile) {
   const int64_t next_n = tv.t0 + tv.n + a.chunk < a.end ? a.chunk : a.end - tv.t0 - tv.n;  // the next chunk's keys
   int64_t npf = next_n < tv.n ? next_n : tv.n;
-  const int64_t ntiles = (tv.group + 5) / 6;
+  const int64_t ntiles = head_tile_count(tv.group);
   for (int64_t ti = 0, h0 = 0; ti < ntiles; ++ti) {
-    const int64_t nh = tv.group / ntiles + (ti < tv.group % ntiles ? 1 : 0);
+    const int64_t nh = head_tile_size(tv.group, ntiles, ti);
     tile(h0, nh, npf);
     h0 += nh;
   }

@@ -104,6 +104,18 @@ int64_t check_isa(int64_t isa, int64_t full_mode, int64_t* tiles) {
   return isa;
 }
 
+// Row block b of a matrix of N rows: rows [row0, row0 + s) in block mode `mode` (full blocks full_mode, the tail
+// block of s = N % block_n rows bit s/16 of tail_modes).
+struct Block {
+  int64_t row0;
+  int s, mode;
+};
+inline Block block_at(int64_t N, int64_t b, int64_t block_n, int64_t full_mode, int64_t tail_modes) {
+  const int64_t full = N / block_n, tail = N % block_n;
+  if (b < full) return Block{b * block_n, static_cast<int>(block_n), static_cast<int>(full_mode)};
+  return Block{b * block_n, static_cast<int>(tail), static_cast<int>((tail_modes >> (tail / 16)) & 1)};
+}
+
 // Rows [row0, row0 + s) of one matrix: the ISA's block routine, else (no fast path for the block) the scalar one.
 void run_block(const Int4Args& a, int64_t isa, int64_t row0, int s, int mode, float* scratch) {
   bool done = false;
@@ -166,15 +178,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              M, N, K, group_size};
   a.f32_prefill = isa == 2 && M > 8 && (tiles == 1 || tiles == 2 ? tiles : prefill_choice()) == 2;
   if (wide) a.xt = xt.data();
-  const int64_t full = N / block_n, tail = N % block_n, nblocks = full + (tail ? 1 : 0);
-  const int64_t tail_mode = (tail_modes >> (tail / 16)) & 1;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (N + block_n - 1) / block_n, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(2 * M * 64);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t row0 = b * block_n;
-      const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
-      const int mode = static_cast<int>(b < full ? full_mode : tail_mode);
-      run_block(a, isa, row0, s, mode, scratch.data());
+      const Block k = block_at(N, b, block_n, full_mode, tail_modes);
+      run_block(a, isa, k.row0, k.s, k.mode, scratch.data());
     }
   });
   return y;
@@ -243,14 +251,12 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
     for (int64_t bb = b0; bb < b1; ++bb) {
       while (bb >= first[i + 1]) ++i;
       const Int4Args& a = args[i];
-      const int64_t b = bb - first[i], full = a.N / block_n, tail = a.N % block_n, row0 = b * block_n;
-      const int s = b < full ? static_cast<int>(block_n) : static_cast<int>(tail);
-      const int mode = static_cast<int>(b < full ? full_mode : (tail_modes >> (tail / 16)) & 1);
-      run_block(a, isa, row0, s, mode, scratch.data());
+      const Block k = block_at(a.N, bb - first[i], block_n, full_mode, tail_modes);
+      run_block(a, isa, k.row0, k.s, k.mode, scratch.data());
       if (!bias[i].defined()) continue;
       const uint16_t* bv = reinterpret_cast<const uint16_t*>(bias[i].data_ptr<at::BFloat16>());
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t r = row0; r < row0 + s; ++r)
+        for (int64_t r = k.row0; r < k.row0 + k.s; ++r)
           a.y[m * a.N + r] = edgeq::f32_to_bf16(edgeq::bf16_to_f32(a.y[m * a.N + r]) + edgeq::bf16_to_f32(bv[r]));
     }
   });
