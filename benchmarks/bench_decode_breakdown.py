@@ -13,6 +13,8 @@ reported. Then one profiled run per arm and context (torch.profiler, self CPU ti
 - ``norms, RoPE, elementwise``: every other op (RMSNorm, RoPE, cache writes, residual adds, silu, mul; the native
   ``edgeq::add_rms_norm`` and ``edgeq::rope_to_cache``);
 - ``argmax``: the greedy pick (and its finiteness check: edgeq.runtime.generation.greedy);
+- ``layers in one call``: ``edgeq::decode_layers``, the native step's layers in one op (edgeq.runtime.stack): its
+  matmuls, attention and norms are inside it, out of the profiler's sight (its silu and mul show as their own ops);
 - ``left``: the unprofiled step time minus all of the above (Python, dispatch, OpenMP fork/join; the profiler
   inflates op times a little, so this is a lower estimate).
 
@@ -21,8 +23,12 @@ the same shapes; q/k/v and gate/up as one call each, as the native step makes th
 measures, per token; it is timed in every pass beside the arms
 (interleaved: this machine's bandwidth drifts within minutes). ``outside the matmuls`` = step - kernel only.
 
-The arm ``native-separate`` is the native step with one kernel call per projection instead of one for q/k/v and
-one for gate/up (``LeanDecoder.fuse_projections = False``; the same bits): what the grouped calls save.
+The arm ``native`` is the native step as it runs by default: where the modules allow, its layers in one native call
+(``edgeq::decode_layers``, edgeq/runtime/stack.py). ``native-python`` is the same step op by op from Python
+(``LeanDecoder.native_layers = False``; the same bits): what the one call saves. ``native-separate`` is the Python
+step with one kernel call per projection instead of one for q/k/v and one for gate/up (``fuse_projections = False``;
+the same bits): what the grouped calls save. The ablations replace Python-level ops, so they run the Python step and
+are compared with ``native-python`` (``--ablate`` adds that arm).
 
 ``--paired N`` replaces the passes with a finer A/B of the arms (for differences of a fraction of a millisecond, below
 the passes' spread): per context one prefill, then N rounds, each running every arm for ``--steps`` steps from the
@@ -39,6 +45,7 @@ without the profiler's per-op inflation.
     python benchmarks/synthetic.py qwen2.5-1.5b /tmp/q15-hf && edgeq quantize /tmp/q15-hf -o /tmp/q15 --method minmax
     python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512,2048 --threads 2 --passes 3
     python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512 --ops native,native-separate --paired 150 --steps 4
+    python benchmarks/bench_decode_breakdown.py /tmp/q15 --contexts 512 --ops native,native-python --paired 100 --steps 4
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ KERNEL_OPS = ("edgeq::int4_mm", "edgeq::int4_mm_multi", "aten::_weight_int4pack_
               "aten::linear", "aten::mm", "aten::addmm", "aten::_int_mm")
 ATTN_OPS = ("edgeq::decode_attn", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 ARGMAX_OPS = ("aten::argmax", "edgeq::argmax_finite", "aten::isfinite", "aten::all")
-CATEGORIES = ("matmul kernel", "head", "attention", "norms, RoPE, elementwise", "argmax")
+LAYERS_OPS = ("edgeq::decode_layers",)
+CATEGORIES = ("matmul kernel", "head", "attention", "norms, RoPE, elementwise", "argmax", "layers in one call")
 
 
 def _category(ev, vocab: int) -> str:
@@ -68,6 +76,8 @@ def _category(ev, vocab: int) -> str:
         return "attention"
     if name in ARGMAX_OPS:
         return "argmax"
+    if name in LAYERS_OPS:
+        return "layers in one call"
     if name in KERNEL_OPS or name.startswith("edgeq_w4a8::"):
         weights = [s for s in (ev.input_shapes or [])[1:] if s]  # x first, then the weight tensors
         # the head's rows: N for the W4A16 layouts, N / 32 column blocks for the W4A8 one ([N/32, K/bk, ...])
@@ -131,22 +141,26 @@ def _without(ops: tuple[str, ...]):
 
 
 def _ablated(lm, ctx: int, vocab: int, steps: int, ops: tuple[str, ...]) -> float:
-    """ms per token of the native step with ``ops`` replaced by no-ops."""
-    _arm(lm, "native")
+    """ms per token of the native Python step with ``ops`` replaced by no-ops."""
+    _arm(lm, "native-python")
     token = _prefill(lm, ctx, vocab)
     with _without(ops):
         _steps(lm, token, 2)
         return _steps(lm, token, steps) / steps * 1e3
 
 
+PYTHON_STEP = ("native-python", "native-separate", *ABLATIONS)  # arms that run the native step op by op from Python
+
+
 def _ops(arm: str) -> str:
-    """The decode ops an arm runs: ``native-separate``, the ablations and ``kernel only`` run on the native ops."""
-    return "native" if arm in ("native-separate", *PAIRED_ONLY) else arm
+    """The decode ops an arm runs: the Python-step arms, the ablations and ``kernel only`` run on the native ops."""
+    return "native" if arm in (*PYTHON_STEP, *PAIRED_ONLY) else arm
 
 
 def _arm(lm, arm: str) -> None:
     lm.decoder.ops = _ops(arm)
     lm.decoder.fuse_projections = arm != "native-separate"
+    lm.decoder.native_layers = arm not in PYTHON_STEP
 
 
 def _prefill(lm, ctx: int, vocab: int) -> int:
@@ -192,7 +206,8 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--ops", default="native,torch", help="arms: native, torch (edgeq.runtime.lean.ops_choice), "
-                    "native-separate (native, one kernel call per projection)")
+                    "native-python (the native step op by op from Python), native-separate (that, one kernel call "
+                    "per projection)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -208,6 +223,8 @@ def main() -> None:
 
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a.strip() for a in args.ops.split(",")]
+    if args.ablate and "native-python" not in arms:
+        arms.append("native-python")  # what the ablations are compared with
     for arm in arms:
         if arm in PAIRED_ONLY and not args.paired:
             raise SystemExit(f"--ops {arm!r}: only with --paired (the passes time it by themselves; --ablate)")
@@ -269,12 +286,12 @@ def main() -> None:
             print(f"| {c} | {a} | {med:.2f} [{min(t):.2f}-{max(t):.2f}] | {1e3 / med:.1f} | {med - kms:.2f} | "
                   + " | ".join(f"{cats.get(k, 0.0):.2f}" for k in CATEGORIES) + f" | {left:.2f} |")
     if args.ablate:
-        print("\n| context | arm | step ms/token, median [min-max] | native step minus this (ms) |\n|---|---|---|---|")
+        print("\n| context | arm | step ms/token, median [min-max] | native-python minus this (ms) |\n|---|---|---|---|")
         for c in contexts:
-            base = statistics.median(times[(c, "native")]) if (c, "native") in times else None
+            base = statistics.median(times[(c, "native-python")])
             for a in ABLATIONS:
                 t = times[(c, a)]
-                diff = f"{base - statistics.median(t):.2f}" if base is not None else "n/a"
+                diff = f"{base - statistics.median(t):.2f}"
                 print(f"| {c} | {a} | {statistics.median(t):.2f} [{min(t):.2f}-{max(t):.2f}] | {diff} |")
                 rows.append(dict(context=c, ops=a, step_ms=statistics.median(t), step_min=min(t), step_max=max(t)))
     if args.json:

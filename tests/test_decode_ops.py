@@ -9,7 +9,7 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime import native
-from edgeq.runtime.lean import _RMSNorm
+from edgeq.runtime.rmsnorm import RMSNorm as _RMSNorm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library does not build/run here")
 

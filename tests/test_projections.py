@@ -112,6 +112,7 @@ def qwen2(tmp_path_factory):
 
 
 def _decode(lm, tokens, fuse: bool) -> torch.Tensor:
+    lm.decoder.native_layers = False  # the Python step, whose grouped calls this tests (tests/test_stack.py: the C++ one)
     lm.decoder.fuse_projections = fuse
     lm.cache.reset()
     lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)

@@ -19,6 +19,7 @@
 #include "attn_decode.h"
 #include "attn_prefill.h"
 #include "bf16.h"
+#include "decode_core.h"
 
 namespace {
 
@@ -44,46 +45,11 @@ void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
               "out: expected contiguous bf16 ", q.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
-  const int64_t group = H / KVH, T = end - start;
-  // The split depends on T and KVH only (attn_decode.h): the same chunks, hence the same bits, for any thread count.
-  const int64_t chunk = edgeq_attn::chunk_keys(T, KVH);
-  const int64_t nchunks = (T + chunk - 1) / chunk, ntasks = KVH * nchunks;
-  // Buffers kept per thread across calls (grown, never shrunk): no allocation on the decode path after warm-up.
-  thread_local std::vector<float> partial;
-  if (partial.size() < static_cast<size_t>(ntasks * group * (2 + D))) partial.resize(ntasks * group * (2 + D));
-  AttnArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
-             H, KVH, D, keys.size(2), start, end, chunk, static_cast<float>(scale), partial.data()};
-  const int64_t need = edgeq_attn::scratch_floats(group, D, chunk);
-  at::parallel_for(0, ntasks, 1, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(need);
-    for (int64_t i = i0; i < i1; ++i) {
-      if (isa >= 2) edgeq_attn::task_avx512(a, i, scratch.data());
-      else if (isa == 1) edgeq_attn::task_avx2(a, i, scratch.data());
-      else edgeq_attn::task_scalar(a, i, scratch.data());
-    }
-  });
-  // Merge the chunks of each query head h (kv head j = h / group, slot g = h % group of its tasks).
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  thread_local std::vector<float> acc;
-  if (acc.size() < static_cast<size_t>(D)) acc.resize(D);
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t j = h / group, g = h % group;
-    const float* first = a.partial + (j * nchunks) * group * (2 + D) + g * (2 + D);
-    float M = first[0];
-    for (int64_t c = 1; c < nchunks; ++c) M = std::fmax(M, first[c * group * (2 + D)]);
-    float L = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int64_t c = 0; c < nchunks; ++c) {
-      const float* pc = first + c * group * (2 + D);
-      const float w = std::exp(pc[0] - M);
-      L += w * pc[1];
-      for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 + d];
-    }
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = edgeq_bf16::f32_to_bf16(acc[d] / L);
-  }
+  edgeq_core::decode_attn(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                          reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+                          reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), H, KVH, D, keys.size(2),
+                          start, end, static_cast<float>(scale),
+                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), isa);
 }
 
 void check_rows(const at::Tensor& t, const char* what, int64_t KVH, int64_t D) {
@@ -139,6 +105,49 @@ at::Tensor prefill_attn(const at::Tensor& q, const at::Tensor& keys, const at::T
 }
 
 }  // namespace
+
+// decode_attn's work (decode_core.h), on checked arguments.
+void edgeq_core::decode_attn(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t H, int64_t KVH,
+                             int64_t D, int64_t cap, int64_t start, int64_t end, float scale, uint16_t* out,
+                             int64_t isa) {
+  const int64_t group = H / KVH, T = end - start;
+  // The split depends on T and KVH only (attn_decode.h): the same chunks, hence the same bits, for any thread count.
+  const int64_t chunk = edgeq_attn::chunk_keys(T, KVH);
+  const int64_t nchunks = (T + chunk - 1) / chunk, ntasks = KVH * nchunks;
+  // Buffers kept per thread across calls (grown, never shrunk): no allocation on the decode path after warm-up.
+  thread_local std::vector<float> partial;
+  if (partial.size() < static_cast<size_t>(ntasks * group * (2 + D))) partial.resize(ntasks * group * (2 + D));
+  AttnArgs a{q, keys, values, H, KVH, D, cap, start, end, chunk, scale, partial.data()};
+  const int64_t need = edgeq_attn::scratch_floats(group, D, chunk);
+  at::parallel_for(0, ntasks, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(need);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (isa >= 2) edgeq_attn::task_avx512(a, i, scratch.data());
+      else if (isa == 1) edgeq_attn::task_avx2(a, i, scratch.data());
+      else edgeq_attn::task_scalar(a, i, scratch.data());
+    }
+  });
+  // Merge the chunks of each query head h (kv head j = h / group, slot g = h % group of its tasks).
+  uint16_t* o = out;
+  thread_local std::vector<float> acc;
+  if (acc.size() < static_cast<size_t>(D)) acc.resize(D);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t j = h / group, g = h % group;
+    const float* first = a.partial + (j * nchunks) * group * (2 + D) + g * (2 + D);
+    float M = first[0];
+    for (int64_t c = 1; c < nchunks; ++c) M = std::fmax(M, first[c * group * (2 + D)]);
+    float L = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const float* pc = first + c * group * (2 + D);
+      const float w = std::exp(pc[0] - M);
+      L += w * pc[1];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 + d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = edgeq_bf16::f32_to_bf16(acc[d] / L);
+  }
+}
 
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("decode_attn(Tensor q, Tensor keys, Tensor values, int start, int end, float scale, Tensor(a!) out, "

@@ -23,6 +23,7 @@
 #include <cmath>
 
 #include "bf16.h"
+#include "decode_core.h"
 
 namespace {
 
@@ -44,31 +45,13 @@ void add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& delta, c
   check_bf16(out, "out");
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.numel() == x.size(1), "shapes: x ", x.sizes(),
               ", weight ", weight.sizes(), ", out ", out.sizes());
-  const int64_t R = x.size(0), C = x.size(1);
-  uint16_t* xs = mp(x);
+  const uint16_t* ds = nullptr;
   if (delta.has_value()) {
     check_bf16(*delta, "delta");
     TORCH_CHECK(delta->sizes() == x.sizes(), "delta ", delta->sizes(), " vs x ", x.sizes());
-    const uint16_t* ds = cp(*delta);
-    for (int64_t i = 0; i < R * C; ++i) xs[i] = f32_to_bf16(bf16_to_f32(xs[i]) + bf16_to_f32(ds[i]));
+    ds = cp(*delta);
   }
-  const uint16_t* w = cp(weight);
-  uint16_t* o = mp(out);
-  const float feps = static_cast<float>(eps), fc = static_cast<float>(C);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint16_t* xr = xs + r * C;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = 0; c < C; ++c) {
-      const float f = bf16_to_f32(xr[c]);
-      sum += f * f;
-    }
-    const float inv = 1.0f / std::sqrt(feps + sum / fc);
-    for (int64_t c = 0; c < C; ++c) {
-      const float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[c]) * inv));
-      o[r * C + c] = f32_to_bf16(bf16_to_f32(w[c]) * n);
-    }
-  }
+  edgeq_core::add_rms_norm(mp(x), ds, cp(weight), x.size(0), x.size(1), static_cast<float>(eps), mp(out));
 }
 
 // rot[i] = r(t)[i] for one head row t of D values.
@@ -95,14 +78,8 @@ void rope_to_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "keys/values: expected [1, ", Hk, ", CAP, ", D, "], got ", keys.sizes(), " and ", values.sizes());
   const int64_t cap = keys.size(2);
   TORCH_CHECK(0 <= pos && pos < cap, "pos ", pos, " outside the cache of ", cap, " positions");
-  const uint16_t *cs = cp(cos), *ns = cp(nsin);
-  for (int64_t h = 0; h < Hq; ++h) rope_row(cp(q) + h * D, cs, ns, D, mp(rot_q) + h * D);
-  for (int64_t h = 0; h < Hk; ++h) {
-    rope_row(cp(k) + h * D, cs, ns, D, mp(keys) + (h * cap + pos) * D);
-    const uint16_t* vr = cp(v) + h * D;
-    uint16_t* dst = mp(values) + (h * cap + pos) * D;
-    for (int64_t i = 0; i < D; ++i) dst[i] = vr[i];
-  }
+  edgeq_core::rope_to_cache(cp(q), cp(k), cp(v), cp(cos), cp(nsin), Hq, Hk, D, mp(keys), mp(values), cap, pos,
+                            mp(rot_q));
 }
 
 template <typename T, typename ToFloat, typename Bad>
@@ -138,6 +115,41 @@ int64_t argmax_finite(const at::Tensor& logits) {
 }
 
 }  // namespace
+
+// add_rms_norm's work (decode_core.h), on checked arguments.
+void edgeq_core::add_rms_norm(uint16_t* xs, const uint16_t* ds, const uint16_t* w, int64_t R, int64_t C, float feps,
+                              uint16_t* o) {
+  if (ds != nullptr)
+    for (int64_t i = 0; i < R * C; ++i) xs[i] = f32_to_bf16(bf16_to_f32(xs[i]) + bf16_to_f32(ds[i]));
+  const float fc = static_cast<float>(C);
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* xr = xs + r * C;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < C; ++c) {
+      const float f = bf16_to_f32(xr[c]);
+      sum += f * f;
+    }
+    const float inv = 1.0f / std::sqrt(feps + sum / fc);
+    for (int64_t c = 0; c < C; ++c) {
+      const float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[c]) * inv));
+      o[r * C + c] = f32_to_bf16(bf16_to_f32(w[c]) * n);
+    }
+  }
+}
+
+// rope_to_cache's work (decode_core.h), on checked arguments.
+void edgeq_core::rope_to_cache(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* cs,
+                               const uint16_t* ns, int64_t Hq, int64_t Hk, int64_t D, uint16_t* keys, uint16_t* values,
+                               int64_t cap, int64_t pos, uint16_t* rot_q) {
+  for (int64_t h = 0; h < Hq; ++h) rope_row(q + h * D, cs, ns, D, rot_q + h * D);
+  for (int64_t h = 0; h < Hk; ++h) {
+    rope_row(k + h * D, cs, ns, D, keys + (h * cap + pos) * D);
+    const uint16_t* vr = v + h * D;
+    uint16_t* dst = values + (h * cap + pos) * D;
+    for (int64_t i = 0; i < D; ++i) dst[i] = vr[i];
+  }
+}
 
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("argmax_finite(Tensor logits) -> int");

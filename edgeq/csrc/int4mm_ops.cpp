@@ -18,11 +18,14 @@
 #include <chrono>
 #include <vector>
 
+#include "decode_core.h"
 #include "int4mm.h"
 
 namespace {
 
 using edgeq::Int4Args;
+
+inline uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 int64_t cpu_features() {
   // bit 0: avx2+fma, bit 1: the AVX512 path's set (F, BW, VL, VBMI, BF16), bit 2: that set + AMX-TILE/BF16 with the
@@ -188,13 +191,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
   return y;
 }
 
-// Several matrices that read the same x of M < kWideMin rows (a layer's q/k/v, or its gate/up) in one call: one fp32
-// copy of x, its group sums once per distinct group size, one parallel region over all the matrices' row blocks
-// (matrix 0's blocks first; threads take contiguous runs, as in int4_mm), and each matrix's optional bias added to
-// its rows as the runtime adds it to int4_mm's output (`y.add_(bias)`: bf16(float(y) + float(b)), two roundings).
-// Each output is the same bits as int4_mm's followed by that add: the blocks run the same code on the same x, group
-// sums and scratch sizes. It saves, per matrix after the first, the call's dispatch, its x and output buffers, an
-// OpenMP region and the bias op (docs/kernel.md, "Decode breakdown").
+// The op's checks and outputs; the work is edgeq_core::int4_multi (below).
 std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweights, at::IntArrayRef group_sizes,
                                       at::TensorList scales, const c10::List<std::optional<at::Tensor>>& biases,
                                       int64_t block_n, int64_t full_mode, int64_t tail_modes, int64_t isa) {
@@ -209,7 +206,7 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
   isa = check_isa(isa, full_mode, &tiles);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> ys, bias(n);
-  std::vector<int64_t> first(n + 1, 0);  // first[i]: matrix i's first block in the combined range
+  std::vector<edgeq_core::Matrix> mats;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t N = check_matrix(x, qweights[i], group_sizes[i], scales[i], block_n);
     const std::optional<at::Tensor> b = biases.get(i);
@@ -219,18 +216,38 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
       bias[i] = b->contiguous();
     }
     ys.push_back(at::empty({M, N}, x.options()));
-    first[i + 1] = first[i] + (N + block_n - 1) / block_n;
+    mats.push_back({qweights[i].data_ptr<uint8_t>(), bits(scales[i]), bias[i].defined() ? bits(bias[i]) : nullptr,
+                    bits(ys[i]), N, group_sizes[i]});
   }
   const at::Tensor xc = x.contiguous();
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  edgeq_core::int4_multi(bits(xc), M, K, mats.data(), n, block_n, full_mode, tail_modes, isa);
+  return ys;
+}
+
+}  // namespace
+
+int64_t edgeq_core::cpu_features() { return ::cpu_features(); }
+
+// int4_mm_multi's work (decode_core.h), on checked arguments. Several matrices that read the same x of M < kWideMin
+// rows (a layer's q/k/v, or its gate/up): one fp32 copy of x, its group sums once per distinct group size, one
+// parallel region over all the matrices' row blocks (matrix 0's blocks first; threads take contiguous runs, as in
+// int4_mm), and each matrix's optional bias added to its rows as the runtime adds it to int4_mm's output
+// (`y.add_(bias)`: bf16(float(y) + float(b)), two roundings). Each output is the same bits as int4_mm's followed by
+// that add: the blocks run the same code on the same x, group sums and scratch sizes. It saves, per matrix after the
+// first, the call's dispatch, its x and output buffers, an OpenMP region and the bias op (docs/kernel.md, "Decode
+// breakdown").
+void edgeq_core::int4_multi(const uint16_t* xb, int64_t M, int64_t K, const Matrix* mats, int64_t n, int64_t block_n,
+                            int64_t full_mode, int64_t tail_modes, int64_t isa) {
+  std::vector<int64_t> first(n + 1, 0);  // first[i]: matrix i's first block in the combined range
+  for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + (mats[i].N + block_n - 1) / block_n;
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = edgeq::bf16_to_f32(xb[i]);
   std::vector<std::vector<float>> sums(n);  // matrix i's group sums; empty when an earlier matrix has its G
   std::vector<Int4Args> args;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t G = group_sizes[i], ng = K / G;
+    const int64_t G = mats[i].G, ng = K / G;
     int64_t same = -1;
-    for (int64_t j = 0; j < i && same < 0; ++j) same = group_sizes[j] == G && !sums[j].empty() ? j : -1;
+    for (int64_t j = 0; j < i && same < 0; ++j) same = mats[j].G == G && !sums[j].empty() ? j : -1;
     if (same < 0) {
       sums[i].resize(M * ng);
       for (int64_t m = 0; m < M; ++m)
@@ -240,10 +257,8 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
           sums[i][m * ng + g] = sum;
         }
     }
-    args.push_back(Int4Args{xb, xf.data(), same < 0 ? sums[i].data() : sums[same].data(),
-                            qweights[i].data_ptr<uint8_t>(),
-                            reinterpret_cast<const uint16_t*>(scales[i].data_ptr<at::BFloat16>()),
-                            reinterpret_cast<uint16_t*>(ys[i].data_ptr<at::BFloat16>()), M, qweights[i].size(0), K, G});
+    args.push_back(Int4Args{xb, xf.data(), same < 0 ? sums[i].data() : sums[same].data(), mats[i].qw, mats[i].sz,
+                            mats[i].y, M, mats[i].N, K, G});
   }
   at::parallel_for(0, first[n], 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(2 * M * 64);
@@ -253,17 +268,14 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
       const Int4Args& a = args[i];
       const Block k = block_at(a.N, bb - first[i], block_n, full_mode, tail_modes);
       run_block(a, isa, k.row0, k.s, k.mode, scratch.data());
-      if (!bias[i].defined()) continue;
-      const uint16_t* bv = reinterpret_cast<const uint16_t*>(bias[i].data_ptr<at::BFloat16>());
+      const uint16_t* bv = mats[i].bias;
+      if (bv == nullptr) continue;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = k.row0; r < k.row0 + k.s; ++r)
           a.y[m * a.N + r] = edgeq::f32_to_bf16(edgeq::bf16_to_f32(a.y[m * a.N + r]) + edgeq::bf16_to_f32(bv[r]));
     }
   });
-  return ys;
 }
-
-}  // namespace
 
 TORCH_LIBRARY(edgeq, m) {
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, int block_n, int full_mode, "

@@ -19,7 +19,8 @@ runs: docs/runtime.md counts them).
 Decode ops (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native ops around the projections
 (``edgeq.runtime.native``: ``decode_attn``, fp32 softmax over the cache read in place with one rounding, several
 times faster than torch's flash-attention CPU kernel for one query; ``add_rms_norm``; ``rope_to_cache``), close to
-the eager ops, not bit-equal (tests/test_lean.py bounds the logits); ``decode_ops="torch"`` keeps the eager ops and
+the eager ops, not bit-equal (tests/test_lean.py bounds the logits), and for W4A16 models all the layers' ops in one
+native call (:mod:`edgeq.runtime.stack`, ``decode_layers``: the same bits); ``decode_ops="torch"`` keeps the eager ops and
 SDPA. With those every op repeats the transformers computation in the same order and dtype, so the logits are
 bit-identical to the transformers forward on the same cache (tests/test_lean.py), except on sliding-window layers
 past the window (SDPA over the window's slice instead of a masked full row: equal within bf16 rounding). Per layer,
@@ -46,7 +47,8 @@ from torch.nn import functional as F
 
 from edgeq.env import DECODE_OPS as ENV_DECODE_OPS, choice
 from edgeq.errors import EdgeqError
-from edgeq.runtime import embedding, native, projections
+from edgeq.runtime import embedding, native, projections, stack
+from edgeq.runtime.rmsnorm import RMSNorm as _RMSNorm, eps_tensor as _eps
 from edgeq.runtime.rope import STATIC_ROPE, rope_tables
 
 DECODE_OPS = ("auto", "native", "torch")
@@ -88,42 +90,6 @@ def support(model: nn.Module, config) -> str | None:
 def _is_linear(m) -> bool:
     """An edgeq quantised module with ``linear2d`` (Int4Linear, W4A8Linear) or a plain ``nn.Linear``."""
     return (getattr(m, "edgeq_quantized", False) and callable(getattr(m, "linear2d", None))) or isinstance(m, nn.Linear)
-
-
-class _RMSNorm:
-    """Transformers' RMSNorm with buffers: ``w * bf16(fp32(x) * rsqrt(mean(fp32(x)^2, -1) + eps))``, rows [R, C].
-
-    Six ops into preallocated buffers, the last one rounding the fp32 product once to the bf16 ``normed``, then the
-    weight (the seventh: transformers rounds before weighting, so this cannot be folded in). ``__call__`` writes
-    ``out`` and returns it. (``torch.mul(f, var, out=normed)`` would save an op but allocates an fp32 temporary.)
-    """
-
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
-        self.f = torch.empty(rows, cols, dtype=torch.float32)
-        self.sq = torch.empty(rows, cols, dtype=torch.float32)
-        self.var = torch.empty(rows, 1, dtype=torch.float32)
-        self.normed = torch.empty(rows, cols, dtype=dtype)
-        self.cols = torch.tensor(float(cols))  # 0-dim fp32: no scalar wrapping (and no dtype conversion) per call
-
-    def unweighted(self, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-        """bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps)) into ``normed``; ``eps`` a 0-dim fp32 tensor."""
-        f, var = self.f, self.var
-        f.copy_(x)
-        torch.mul(f, f, out=self.sq)
-        torch.sum(self.sq, -1, keepdim=True, out=var)
-        torch.addcdiv(eps, var, self.cols, out=var)  # eps + sum / C: mean() is sum() then div_ on the CPU, same bits
-        var.rsqrt_()
-        f.mul_(var)
-        self.normed.copy_(f)  # one rounding to the model dtype: transformers' x.to(input_dtype)
-        return self.normed
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.mul(weight, self.unweighted(x, eps), out=out)
-
-
-def _eps(norm: nn.Module) -> torch.Tensor:
-    """The norm's epsilon as a 0-dim fp32 tensor (transformers adds the Python float to an fp32 tensor: the same)."""
-    return torch.tensor(float(norm.variance_epsilon), dtype=torch.float32)
 
 
 class _Layer:
@@ -204,8 +170,16 @@ class LeanDecoder:
         self.max_positions = int(max_model_len)
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
         ops, self.ops_reason = ops_choice(ops)
+        # the native step's layers in one call where the modules allow (edgeq.runtime.stack; the same bits)
+        self.stack_reason = stack.why_not(list(body.layers), self.family)
+        self._use_stack = True
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)
+            self.stack = None if self.stack_reason else stack.Stack(self, list(body.layers), self.w_final,
+                                                                    self.eps_final_f)
+        if ops == "native":
+            self.ops_reason += ("; the layers in one call (decode_layers)" if self.stack is not None else
+                                f"; the layers op by op ({self.stack_reason})")
         self.ops = ops
 
     # ------------------------------------------------------------------------------------------------- buffers
@@ -271,6 +245,16 @@ class LeanDecoder:
             L.qkv, L.gate_up = L.fused if value else L.separate
 
     @property
+    def native_layers(self) -> bool:
+        """Whether the native step runs its layers in one ``decode_layers`` call (:mod:`edgeq.runtime.stack`; the
+        default where the modules allow, the same bits); False: op by op from Python (benchmarks time both)."""
+        return self.stack is not None and self._use_stack
+
+    @native_layers.setter
+    def native_layers(self, value: bool) -> None:
+        self._use_stack = bool(value)
+
+    @property
     def owned_bytes(self) -> int:
         """Bytes the decoder allocated (RoPE tables, one token's buffers); weights and the cache are not its own."""
         found = {}
@@ -279,6 +263,8 @@ class LeanDecoder:
                 for t in v.values() if isinstance(v, dict) else (v,):
                     if isinstance(t, torch.Tensor) and t._base is None and t is not self.embed:
                         found[t.data_ptr()] = t.numel() * t.element_size()
+        for t in self.stack.scratch if self.stack is not None else ():
+            found[t.data_ptr()] = t.numel() * t.element_size()
         return sum(found.values())
 
     # ---------------------------------------------------------------------------------------------------- step
@@ -324,10 +310,16 @@ class LeanDecoder:
     def _step_native(self, p: int) -> torch.Tensor:
         """The same step with edgeq's native ops: 10 ops a layer (4 kernel calls for the 7 projections: q/k/v and
         gate/up each in one, :mod:`edgeq.runtime.projections`, where the modules allow) instead of ~50. The
-        residual add of each block is fused into the next norm (``add_rms_norm(x, delta, ...)``)."""
+        residual add of each block is fused into the next norm (``add_rms_norm(x, delta, ...)``). Where the modules
+        allow (:mod:`edgeq.runtime.stack`), the loop below runs in C++ in one call, op for op: the same bits."""
         x, n = self.x, self.n
         h, d = self.heads, self.head_dim
         end = p + 1
+        if self._use_stack and self.stack is not None and self.stack.usable:
+            self.stack(p)  # every layer and the final norm in one call: the loop below, op for op, in C++
+            for L in self.layers:
+                L.cache_layer.length = end
+            return self.head.fn(n)
         cos, nsin, rot_q, out = self.cos_p, self.nsin_p, self._rot_qh, self.attn_out
         delta = None
         for L in self.layers:

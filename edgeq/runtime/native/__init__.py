@@ -5,7 +5,7 @@
 - :mod:`.w4a16`: the W4A16 decode kernel ``int4_mm`` (the aten tinygemm op's signature), the layouts it reads and
   its measured prefill tiles (``prefill_tiles``);
 - :mod:`.ops`: the small ops in the same library (``decode_attn``, ``prefill_attn``, ``add_rms_norm``,
-  ``rope_to_cache``, ``argmax_finite``);
+  ``rope_to_cache``, ``argmax_finite``) and ``decode_layers``, a whole decode step's layers in one call;
 - :mod:`.w4a8`: the W4A8 kernel ``w4a8_mm`` (its own library and namespace);
 - :mod:`.command`: both kernels' status, :func:`~edgeq.runtime.native.command.kernels_status` (``edgeq native``
   prints it: edgeq/cli/native.py).
@@ -22,6 +22,7 @@ from edgeq.runtime.native.ops import (
     add_rms_norm,
     argmax_finite,
     decode_attn,
+    decode_layers,
     prefill_attn,
     prefill_attn_available,
     rope_to_cache,
@@ -47,6 +48,6 @@ from edgeq.runtime.native.w4a16 import (
 
 __all__ = [
     "ADJACENT", "BLOCK_NS", "ENV_ISA", "HALVES", "ISAS", "Plan", "add_rms_norm", "argmax_finite", "available", "build_key",
-    "build_or_load", "cache_dir", "call_count", "decode_attn", "int4_mm", "int4_mm_multi", "isa_request", "plan", "prefill_attn",
+    "build_or_load", "cache_dir", "call_count", "decode_attn", "decode_layers", "int4_mm", "int4_mm_multi", "isa_request", "plan", "prefill_attn",
     "prefill_attn_available", "prefill_tiles", "reset_call_count", "rope_to_cache", "source_key", "status", "supports",
 ]

@@ -86,3 +86,15 @@ def _small_op(name: str, *args):
         return op(*args)
     except RuntimeError as e:
         raise EdgeqError(f"native {name}: {str(e).splitlines()[0]}") from e
+
+
+def decode_layers(x: torch.Tensor, n: torch.Tensor, weights: list, group_sizes: list, biases: list, norms: list,
+                  eps: list, caches: list, scales: list, windows: list, cos: torch.Tensor, nsin: torch.Tensor, pos: int,
+                  scratch: list) -> None:
+    """Every decoder layer of one decode step in one call, then the final norm into ``n``: the lean loop's native
+    step op for op (edgeq/csrc/decode_step.cpp lists the arguments and the order; :mod:`edgeq.runtime.stack` builds
+    them), with the W4A16 kernel's arguments of this process (its layout plan and ISA). Raises :class:`EdgeqError`."""
+    block_n, full_mode, tails, isa = w4a16._ready_args(None, None)
+    _small_op("decode_layers", x, n, weights, group_sizes, biases, norms, eps, caches, scales, windows, cos, nsin, pos,
+              scratch, block_n, full_mode, tails, isa & 15)
+    w4a16.count_calls(len(group_sizes))  # one kernel call per matrix, as the Python step counts them

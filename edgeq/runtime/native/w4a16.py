@@ -53,9 +53,9 @@ SPEC = build.Spec(
     subdir="native",
     sources=("int4mm_ops.cpp", "int4mm_scalar.cpp", "int4mm_avx2.cpp", "int4mm_avx512.cpp", "int4mm_amx.cpp",
              "attn_ops.cpp", "attn_decode_scalar.cpp", "attn_decode_avx2.cpp", "attn_decode_avx512.cpp",
-             "attn_prefill_avx512.cpp", "attn_prefill_avx2.cpp", "decode_ops.cpp"),
+             "attn_prefill_avx512.cpp", "attn_prefill_avx2.cpp", "decode_ops.cpp", "decode_step.cpp"),
     headers=("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h", "attn_decode.h", "attn_decode_body.h",
-             "attn_decode_tail.h", "attn_simd512.h", "attn_simd256.h", "attn_prefill.h"),
+             "attn_decode_tail.h", "attn_simd512.h", "attn_simd256.h", "attn_prefill.h", "decode_core.h"),
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
     cflags=("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
     ldflags=("-fopenmp",),
@@ -85,6 +85,12 @@ state = _LIBRARY.state  # the small decode ops (.ops) share this library's state
 def reset_call_count() -> None:
     global _calls
     _calls = 0
+
+
+def count_calls(n: int) -> None:
+    """Count ``n`` matrices computed by another op of this library (``decode_layers``: 7 a layer) as kernel calls."""
+    global _calls
+    _calls += n
 
 
 def _halves(s: int) -> tuple[int, ...]:

@@ -1,0 +1,91 @@
+"""A decode step's decoder layers in one native call (issue 15): ``decode_layers`` (edgeq/csrc/decode_step.cpp).
+
+The lean loop's native step (:meth:`edgeq.runtime.lean.LeanDecoder._step_native`) makes ~10 calls a layer from
+Python: the norms, the grouped q/k/v and gate/up kernel calls, RoPE + cache write, attention, o and down, silu and
+mul. ``decode_layers`` runs the same calls, in the same order, on the same buffers' values, from C++: one call for all
+the layers and the final norm, so the logits are the same bits (tests/test_stack.py) and a step saves the Python
+interpreter and dispatch between them (measured: docs/kernel.md, "Decode breakdown"). What stays in Python: the
+embedding row, the position's RoPE rows, the head and the pick.
+
+It runs when every layer's seven projections are W4A16 :class:`~edgeq.runtime.qlinear.Int4Linear` modules on the
+native kernel of one runtime (so one layout), with no act-order permutation and no residual levels, and the family
+has no q/k head norm (Qwen3 keeps the Python step); :func:`why_not` says otherwise. Checked again every step: a
+runtime switched to aten's op (tests, benchmarks) or a crossover at one row runs the Python step instead.
+
+The argument lists are built once and hold references (the mapped weights, the norms, the cache's buffers): nothing
+is copied. The step's own buffers (q, k, v, the rotated q, the attention's output, o, gate, up, down: one token each)
+are allocated here, once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgeq.runtime import native
+from edgeq.runtime.qlinear import Int4Linear
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the op's order within a layer
+
+
+def _modules(layer: nn.Module) -> list[nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def why_not(layers: list[nn.Module], family: str) -> str | None:
+    """None when :class:`Stack` runs these decoder layers; otherwise why not (a phrase for the settings)."""
+    if family == "qwen3":
+        return "qwen3's q/k head norms run in Python"
+    rt = None
+    for i, layer in enumerate(layers):
+        for name, m in zip(MATRICES, _modules(layer)):
+            if type(m) is not Int4Linear:
+                return f"model.layers.{i}.{name}_proj is not a W4A16 Int4Linear"
+            rt = m.runtime if rt is None else rt
+            if m.runtime is not rt or rt.native is None:
+                return f"model.layers.{i}.{name}_proj is not on the native kernel of the model's runtime"
+            if m.perm is not None or m.residual_levels:
+                return f"model.layers.{i}.{name}_proj has an act-order permutation or residual levels"
+    return None if layers else "no layers"
+
+
+class Stack:
+    """``stack(pos)``: every layer of the step at position ``pos`` and the final norm, in one call (module docstring).
+    Reads the decoder's residual ``x`` and the position's ``cos_p``/``nsin_p``; writes ``x``, the final norm's output
+    ``n`` and each layer's cache at ``pos``."""
+
+    def __init__(self, decoder, layers: list[nn.Module], final_norm: torch.Tensor, final_eps: float):
+        mods = [_modules(layer) for layer in layers]
+        self.runtime = mods[0][0].runtime
+        self.decoder = decoder
+        self.weights = [t for ms in mods for t in [m.qweight for m in ms] + [m.scales_and_zeros for m in ms]]
+        self.group_sizes = [int(m.group_size) for ms in mods for m in ms]
+        self.biases = [m.bias for ms in mods for m in ms]
+        lean = decoder.layers
+        self.norms = [w for L in lean for w in (L.w_in, L.w_post)] + [final_norm]
+        self.eps = [e for L in lean for e in (L.eps_in_f, L.eps_post_f)] + [float(final_eps)]
+        self.caches = [c for L in lean for c in (L.keys, L.values)]
+        self.scales = [L.scale for L in lean]
+        self.windows = [L.window or 0 for L in lean]
+        h, kvh, d, dt = decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.dtype
+        inter = mods[0][4].out_features
+        self.scratch = [torch.empty(1, h * d, dtype=dt), torch.empty(1, kvh * d, dtype=dt),
+                        torch.empty(1, kvh * d, dtype=dt), torch.empty(h, d, dtype=dt), torch.empty(h, d, dtype=dt),
+                        torch.empty(1, decoder.hidden, dtype=dt), torch.empty(1, inter, dtype=dt),
+                        torch.empty(1, inter, dtype=dt), torch.empty(1, decoder.hidden, dtype=dt)]
+        self.calls = len(self.group_sizes)
+
+    @property
+    def usable(self) -> bool:
+        """Whether the op runs this step: the runtime is still on the native kernel and one row is below its
+        crossover (both can be switched on a loaded model)."""
+        rt = self.runtime
+        return rt.native is not None and rt.prefill_threshold > 1
+
+    def __call__(self, pos: int) -> None:
+        dec = self.decoder
+        native.decode_layers(dec.x, dec.n, self.weights, self.group_sizes, self.biases, self.norms, self.eps,
+                             self.caches, self.scales, self.windows, dec.cos_p, dec.nsin_p, pos, self.scratch)
+        rt = self.runtime
+        rt.counts[rt.decode_path] += self.calls

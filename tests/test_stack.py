@@ -1,0 +1,145 @@
+"""A decode step's layers in one native call (edgeq/runtime/stack.py, the op ``edgeq::decode_layers`` in
+edgeq/csrc/decode_step.cpp): the same logits, cache and counters as the Python native step, bit for bit (Llama with a
+tied head, Qwen2 with q/k/v biases, Mistral with a sliding window shorter than the context); the models and states it
+does not take run the Python step and say why; a runtime switched to aten's op falls back; bad arguments raise
+EdgeqError before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgeq.errors import EdgeqError
+from edgeq.runtime import load, native, stack
+from helpers.checkpoints import prose_checkpoint, quantize
+from helpers.models import save_hf, tiny_model
+from helpers.native import ready_or_skip
+
+PROMPT = list(range(5, 29))
+
+
+@pytest.fixture(scope="module")
+def ready():
+    return ready_or_skip()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    out = {"prose": prose_checkpoint(tmp_path_factory)}
+    out["qwen2"] = quantize(save_hf(tiny_model("qwen2"), root / "qwen2-hf"), root / "qwen2-q")
+    out["mistral-window"] = quantize(save_hf(tiny_model("mistral", sliding_window=16), root / "mw-hf"), root / "mw-q")
+    out["qwen3"] = quantize(save_hf(tiny_model("qwen3"), root / "qwen3-hf"), root / "qwen3-q")
+    return out
+
+
+def _decode(lm, tokens, one_call: bool):
+    """Prefill PROMPT, decode ``tokens``: (logits [steps, V], the cache's rows written, path counts, kernel calls)."""
+    lm.decoder.native_layers = one_call
+    lm.cache.reset()
+    lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)
+    lm.reset_counts()
+    native.reset_call_count()
+    logits = torch.stack([lm.decode_step(t).clone() for t in tokens])
+    end = len(PROMPT) + len(tokens)
+    assert all(layer.length == end for layer in lm.cache.layers)
+    rows = [torch.cat([c.keys[..., :end, :], c.values[..., :end, :]]) for c in lm.cache.layers]
+    return logits, rows, dict(lm.path_counts), native.call_count()
+
+
+@pytest.mark.parametrize("name", ["prose", "qwen2", "mistral-window"])
+def test_one_call_equals_the_python_step_bit_for_bit(ready, tiny, name, monkeypatch):
+    lm = load(tiny[name], kv_cache_bytes="1MiB", decode_ops="native")
+    dec = lm.decoder
+    assert dec.stack is not None and dec.native_layers, dec.stack_reason
+    assert lm.settings.decode_ops_reason.endswith("; the layers in one call (decode_layers)")
+    if name == "mistral-window":
+        assert [L.window for L in dec.layers] == [16, 16]  # 24 + 24 positions: the window slides
+    tokens = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    calls = []
+    real = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one = _decode(lm, tokens, True)
+    assert len(calls) == len(tokens)  # one call a step
+    python = _decode(lm, tokens, False)
+    assert len(calls) == len(tokens)  # none more
+    assert torch.equal(one[0], python[0])
+    assert all(torch.equal(a, b) for a, b in zip(one[1], python[1]))
+    assert one[2] == python[2] == {"native_decode": (7 * len(dec.layers) + 1) * len(tokens)}
+    assert one[3] == python[3]
+
+
+def test_bits_do_not_depend_on_threads(ready, tiny):
+    lm = load(tiny["qwen2"], kv_cache_bytes="1MiB", decode_ops="native")
+    tokens = [7, 300, 12, 5]
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            runs.append(_decode(lm, tokens, True)[0])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
+    lm = load(tiny["qwen3"], kv_cache_bytes="1MiB", decode_ops="native")
+    assert lm.decoder.stack is None and not lm.decoder.native_layers
+    assert lm.settings.decode_ops_reason.endswith("; the layers op by op (qwen3's q/k head norms run in Python)")
+    layers = list(load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native").model.model.layers)
+    assert stack.why_not(layers, "llama") is None
+    assert stack.why_not([], "llama") == "no layers"
+    down = layers[2].mlp.down_proj
+    layers[2].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)  # e.g. a bf16 reference
+    assert stack.why_not(layers, "llama") == "model.layers.2.down_proj is not a W4A16 Int4Linear"
+    torch_ops = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="torch")
+    assert torch_ops.settings.decode_ops_reason == "requested (decode_ops=torch)"  # no layer phrase off the native ops
+
+
+def test_a_runtime_switched_to_aten_falls_back_to_the_python_step(ready, tiny, monkeypatch):
+    lm = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native")
+    tokens = [9, 41, 200]
+    want = _decode(lm, tokens, True)[0]
+    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: pytest.fail("decode_layers called"))
+    rt = lm.runtime
+    saved, rt.native = rt.native, None
+    try:
+        assert not lm.decoder.stack.usable
+        logits, _, counts, _ = _decode(lm, tokens, True)
+        assert set(counts) == {"tinygemm_decode"}
+        # aten's op instead of edgeq's kernel: the same logits within the kernels' rounding
+        assert float((logits.float() - want.float()).abs().max()) <= 2**-5 * float(want.float().abs().max())
+    finally:
+        rt.native = saved
+    lm1 = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native", prefill_threshold=1)
+    assert not lm1.decoder.stack.usable  # one row at the crossover: the dequant path, from Python
+
+
+def _args(lm):
+    st = lm.decoder.stack
+    d = lm.decoder
+    return [d.x, d.n, list(st.weights), list(st.group_sizes), list(st.biases), list(st.norms), list(st.eps),
+            list(st.caches), list(st.scales), list(st.windows), d.cos_p, d.nsin_p, 3, list(st.scratch)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: a[2].pop(), "for 4 layers expected 56 weights"),
+    (lambda a: a.__setitem__(12, 10_000), "pos 10000, cache of"),
+    (lambda a: a[3].__setitem__(0, 48), "layer 0 matrix 0: group size 48"),
+    (lambda a: a[13].__setitem__(6, torch.empty(1, 5, dtype=torch.bfloat16)), "gate scratch"),
+    (lambda a: a[5].__setitem__(1, torch.empty(3, dtype=torch.bfloat16)), "layer 0 post-attention norm weight"),
+    (lambda a: a[7].__setitem__(3, a[7][3].float()), "layer 1 cache 1: expected contiguous bf16"),
+])
+def test_bad_arguments_raise_edgeq_error_before_writing(ready, tiny, bad, message):
+    lm = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native")
+    lm.cache.reset()
+    lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)
+    args = _args(lm)
+    bad(args)
+    x_before = lm.decoder.x.view(torch.int16).clone()
+    cache_before = [c.keys.view(torch.int16).clone() for c in lm.cache.layers]  # bits: unused rows may be NaN
+    with pytest.raises(EdgeqError, match=message):
+        native.decode_layers(*args)
+    assert torch.equal(lm.decoder.x.view(torch.int16), x_before)
+    assert all(torch.equal(c.keys.view(torch.int16), b) for c, b in zip(lm.cache.layers, cache_before))
