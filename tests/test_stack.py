@@ -1,8 +1,8 @@
 """A decode step's layers in one native call (edgeq/runtime/stack.py, the op ``edgeq::decode_layers`` in
 edgeq/csrc/decode_step.cpp): the same logits, cache and counters as the Python native step, bit for bit (Llama with a
-tied head, Qwen2 with q/k/v biases, Mistral with a sliding window shorter than the context); the models and states it
-does not take run the Python step and say why; a runtime switched to aten's op falls back; bad arguments raise
-EdgeqError before anything is written."""
+tied head, Qwen2 with q/k/v biases, Mistral with a sliding window shorter than the context, a W4A8 Qwen2 through
+edgeq's W4A8 op); the models and states it does not take run the Python step and say why; a runtime switched to
+aten's op falls back; bad arguments raise EdgeqError before anything is written."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime import load, native, stack
+from edgeq.runtime.native import w4a8 as native_w4a8
+from edgeq.runtime.w4a8linear import PORTABLE, KernelChoice
 from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.models import save_hf, tiny_model
 from helpers.native import ready_or_skip
@@ -30,6 +32,12 @@ def tiny(tmp_path_factory):
     out["qwen2"] = quantize(save_hf(tiny_model("qwen2"), root / "qwen2-hf"), root / "qwen2-q")
     out["mistral-window"] = quantize(save_hf(tiny_model("mistral", sliding_window=16), root / "mw-hf"), root / "mw-q")
     out["qwen3"] = quantize(save_hf(tiny_model("qwen3"), root / "qwen3-hf"), root / "qwen3-q")
+    if native_w4a8.available():
+        from edgeq.convert.pipeline import convert
+        from edgeq.scheme import Scheme
+
+        out["qwen2-w4a8"] = root / "qwen2-w4a8"
+        convert(root / "qwen2-hf", out["qwen2-w4a8"], Scheme.parse("w4a8-g32"), method="minmax", force=True)
     return out
 
 
@@ -39,16 +47,18 @@ def _decode(lm, tokens, one_call: bool):
     lm.cache.reset()
     lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)
     lm.reset_counts()
-    native.reset_call_count()
+    calls = native.call_count(), native_w4a8.call_count()
     logits = torch.stack([lm.decode_step(t).clone() for t in tokens])
     end = len(PROMPT) + len(tokens)
     assert all(layer.length == end for layer in lm.cache.layers)
     rows = [torch.cat([c.keys[..., :end, :], c.values[..., :end, :]]) for c in lm.cache.layers]
-    return logits, rows, dict(lm.path_counts), native.call_count()
+    return logits, rows, dict(lm.path_counts), (native.call_count() - calls[0], native_w4a8.call_count() - calls[1])
 
 
-@pytest.mark.parametrize("name", ["prose", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("name", ["prose", "qwen2", "mistral-window", "qwen2-w4a8"])
 def test_one_call_equals_the_python_step_bit_for_bit(ready, tiny, name, monkeypatch):
+    if name not in tiny:
+        pytest.skip(f"edgeq's W4A8 kernel does not run here: {native_w4a8.status()['reason']}")
     lm = load(tiny[name], kv_cache_bytes="1MiB", decode_ops="native")
     dec = lm.decoder
     assert dec.stack is not None and dec.native_layers, dec.stack_reason
@@ -65,8 +75,10 @@ def test_one_call_equals_the_python_step_bit_for_bit(ready, tiny, name, monkeypa
     assert len(calls) == len(tokens)  # none more
     assert torch.equal(one[0], python[0])
     assert all(torch.equal(a, b) for a, b in zip(one[1], python[1]))
-    assert one[2] == python[2] == {"native_decode": (7 * len(dec.layers) + 1) * len(tokens)}
+    path = "w4a8_kernel" if name.endswith("w4a8") else "native_decode"
+    assert one[2] == python[2] == {path: (7 * len(dec.layers) + 1) * len(tokens)}
     assert one[3] == python[3]
+    assert one[3][1 if path == "w4a8_kernel" else 0] == (7 * len(dec.layers) + 1) * len(tokens)
 
 
 def test_bits_do_not_depend_on_threads(ready, tiny):
@@ -92,7 +104,13 @@ def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
     assert stack.why_not([], "llama") == "no layers"
     down = layers[2].mlp.down_proj
     layers[2].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)  # e.g. a bf16 reference
-    assert stack.why_not(layers, "llama") == "model.layers.2.down_proj is not a W4A16 Int4Linear"
+    assert stack.why_not(layers, "llama") == ("model.layers.2.down_proj is not a W4A16 Int4Linear or a W4A8Linear like "
+                                             "the first projection")
+    if "qwen2-w4a8" in tiny:  # W4A8 on another kernel than edgeq's (the portable path here)
+        w8 = list(load(tiny["qwen2-w4a8"], kv_cache_bytes="1MiB", decode_ops="native").model.model.layers)
+        assert stack.why_not(w8, "qwen2") is None
+        w8[1].self_attn.o_proj.choice = KernelChoice(PORTABLE, None, "portable", "test")
+        assert stack.why_not(w8, "qwen2") == "model.layers.1.o_proj runs W4A8 on portable, not edgeq's native op"
     torch_ops = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="torch")
     assert torch_ops.settings.decode_ops_reason == "requested (decode_ops=torch)"  # no layer phrase off the native ops
 

@@ -3,12 +3,13 @@
 // saves the Python interpreter and ~10 dispatches a layer (docs/kernel.md, "Decode breakdown").
 //
 //   torch.ops.edgeq.decode_layers(x bf16 [1, C] (the residual, updated), n bf16 [1, C] (out: the final norm's
-//     output), weights [14 a layer: qweight of q, k, v, o, gate, up, down, then their scales_and_zeros],
+//     output), weights [W4A16 layers (w4a8_isa < 0), 14 a layer: qweight of q, k, v, o, gate, up, down, then their
+//     scales_and_zeros; W4A8 layers, 21 a layer: qweight, scales, zeros of the seven, each in that order],
 //     group_sizes [7 a layer], biases [7 a layer, bf16 [N] or None], norms [2 a layer: input, post-attention; then
 //     the final norm], eps [2 a layer, then the final], caches [2 a layer: keys, values bf16 [1, KVH, CAP, D]],
 //     scales [1 a layer], windows [1 a layer, 0 = none], cos bf16 [D], nsin bf16 [D], pos, scratch [q [Hq D],
 //     k [Hk D], v [Hk D], rot_q [Hq, D], attn [Hq, D], o [1, C], gate [1, I], up [1, I], down [1, C]],
-//     block_n, full_mode, tail_modes, isa) -> ()
+//     block_n, full_mode, tail_modes, isa, w4a8_isa) -> ()
 //
 // Per layer, with the ops of edgeq_core (decode_core.h) and, for silu(g) * u, torch's own silu_ and mul_ (so their
 // roundings are torch's, including its exp):
@@ -21,8 +22,11 @@
 //     delta = (silu(g) * u) @ Wd^T (+ bd)
 //
 // then x += delta; n = w_final * norm(x). start = pos + 1 - window when a layer's window is set and smaller, else 0.
+// W4A8 layers compute each projection with torch.ops.edgeq_w4a8.w4a8_mm (its own library, reached through the
+// dispatcher: the op the Python step calls, with the bias as its starting value), one call per matrix as there.
 // The head (and its argmax) stay in Python: the head may have residual levels or another path.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <string>
@@ -61,17 +65,51 @@ edgeq_core::Matrix matrix(at::TensorList w, at::IntArrayRef groups, const c10::L
   return {qw.data_ptr<uint8_t>(), bits(sz), b.has_value() ? bits(*b) : nullptr, bits(out), N, G};
 }
 
-void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weights, at::IntArrayRef group_sizes,
-                   const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
-                   at::TensorList caches, at::ArrayRef<double> scales, at::IntArrayRef windows, const at::Tensor& cos,
-                   const at::Tensor& nsin, int64_t pos, at::TensorList scratch, int64_t block_n, int64_t full_mode,
-                   int64_t tail_modes, int64_t isa) {
-  const int64_t L = static_cast<int64_t>(scales.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * L && static_cast<int64_t>(group_sizes.size()) == kMats * L &&
+// Matrix i of W4A8 layer l reading K inputs into N outputs: the w4a8_mm op's argument checks, made before the step
+// writes anything (the op repeats them).
+void check_w4a8(at::TensorList w, at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& biases,
+                int64_t l, int64_t i, int64_t K, int64_t N) {
+  const at::Tensor &qw = w[l * 21 + i], &sc = w[l * 21 + 7 + i], &z = w[l * 21 + 14 + i];
+  const int64_t G = groups[l * kMats + i];
+  TORCH_CHECK((G == 32 || G == 64 || G == 128) && K % G == 0 && N % 32 == 0 && qw.scalar_type() == at::kByte &&
+                  qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == N / 32 && qw.size(1) == K / G &&
+                  qw.size(2) == G * 16 + 128,
+              "decode_layers: layer ", l, " W4A8 matrix ", i, ": expected uint8 [", N / 32, ", ", K / G, ", ",
+              G * 16 + 128, "] (group size ", G, "), got ", qw.scalar_type(), " ", qw.sizes());
+  TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.numel() == N * (K / G) &&
+                  z.scalar_type() == at::kChar && z.is_contiguous() && z.numel() == N * (K / G),
+              "decode_layers: layer ", l, " W4A8 matrix ", i, ": scales fp32 and zeros int8 of ", N * (K / G),
+              " values expected, got ", sc.scalar_type(), " ", sc.sizes(), " and ", z.scalar_type(), " ", z.sizes());
+  const std::optional<at::Tensor> b = biases.get(l * kMats + i);
+  TORCH_CHECK(!b.has_value() || (b->dim() == 1 && b->size(0) == N), "decode_layers: layer ", l, " W4A8 matrix ", i,
+              ": bias of ", N, " values expected");
+}
+
+// y = w4a8_mm(x, matrix i of W4A8 layer l): the W4A8 library's op through the dispatcher (a new tensor).
+at::Tensor w4a8(const at::Tensor& x, at::TensorList w, at::IntArrayRef groups,
+                const c10::List<std::optional<at::Tensor>>& biases, int64_t l, int64_t i, int64_t isa) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("edgeq_w4a8::w4a8_mm", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, int64_t, const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, w[l * 21 + i], w[l * 21 + 7 + i], w[l * 21 + 14 + i], groups[l * kMats + i],
+                 biases.get(l * kMats + i), isa);
+}
+
+// The argument checks, all made before the step writes anything; returns the W4A16 layers' matrices (none for W4A8).
+std::vector<edgeq_core::Matrix> check_args(const at::Tensor& x, const at::Tensor& n, at::TensorList weights,
+                                           at::IntArrayRef group_sizes,
+                                           const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
+                                           at::ArrayRef<double> eps, at::TensorList caches, at::IntArrayRef windows,
+                                           const at::Tensor& cos, const at::Tensor& nsin, int64_t pos,
+                                           at::TensorList scratch, int64_t L, bool w8, int64_t block_n,
+                                           int64_t full_mode, int64_t isa) {
+  const int64_t per = w8 ? 21 : kWeights;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per * L && static_cast<int64_t>(group_sizes.size()) == kMats * L &&
                   static_cast<int64_t>(biases.size()) == kMats * L && static_cast<int64_t>(norms.size()) == 2 * L + 1 &&
                   static_cast<int64_t>(eps.size()) == 2 * L + 1 && static_cast<int64_t>(caches.size()) == 2 * L &&
-                  static_cast<int64_t>(windows.size()) == L && scratch.size() == 9,
-              "decode_layers: for ", L, " layers expected ", kWeights * L, " weights, ", kMats * L, " group sizes and "
+                  static_cast<int64_t>(windows.size()) == L && scratch.size() == 9 && L > 0,
+              "decode_layers: for ", L, " layers expected ", per * L, " weights, ", kMats * L, " group sizes and "
               "biases, ", 2 * L + 1, " norms and eps, ", 2 * L, " caches, ", L, " windows, 9 scratch; got ",
               weights.size(), ", ", group_sizes.size(), ", ", biases.size(), ", ", norms.size(), ", ", eps.size(), ", ",
               caches.size(), ", ", windows.size(), ", ", scratch.size());
@@ -79,32 +117,29 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
               block_n, ", full_mode ", full_mode, " (32 or 64; 0 or 1)");
   TORCH_CHECK(isa >= 0 && isa <= 3 && (isa == 0 || (edgeq_core::cpu_features() & (1 << (isa - 1)))),
               "decode_layers: isa ", isa, " is not a path this CPU runs (0 scalar, 1 avx2, 2 avx512, 3 amx)");
-  const at::Tensor &q = scratch[0], &k = scratch[1], &v = scratch[2], &rot_q = scratch[3], &attn = scratch[4],
-                   &o = scratch[5], &gate = scratch[6], &up = scratch[7], &down = scratch[8];
-  const int64_t C = x.numel(), Hq = rot_q.size(0), D = rot_q.size(1), I = weights[4].size(0);  // gate's rows
+  const at::Tensor &rot_q = scratch[3];
+  TORCH_CHECK(rot_q.dim() == 2 && rot_q.size(1) % 2 == 0 && caches[0].dim() == 4,
+              "decode_layers: rot_q must be [Hq, D] with D even and the caches [1, KVH, CAP, D], got ", rot_q.sizes(),
+              " and ", caches[0].sizes());
+  const int64_t C = x.numel(), Hq = rot_q.size(0), D = rot_q.size(1), KVH = caches[0].size(1), cap = caches[0].size(2);
+  const int64_t I = w8 ? weights[4].size(0) * 32 : weights[4].size(0);  // gate's rows
+  TORCH_CHECK(KVH > 0 && Hq % KVH == 0 && 0 <= pos && pos < cap, "decode_layers: Hq ", Hq, ", KVH ", KVH, ", pos ",
+              pos, ", cache of ", cap);
   check_bf16(x, C, "x");
   check_bf16(n, C, "n");
   check_bf16(cos, D, "cos");
   check_bf16(nsin, D, "nsin");
-  TORCH_CHECK(rot_q.dim() == 2 && D % 2 == 0, "decode_layers: rot_q must be [Hq, D] with D even, got ", rot_q.sizes());
-  TORCH_CHECK(L > 0 && caches[0].dim() == 4, "decode_layers: no layers, or caches not [1, KVH, CAP, D]");
-  const int64_t KVH = caches[0].size(1), cap = caches[0].size(2);
-  TORCH_CHECK(KVH > 0 && Hq % KVH == 0 && 0 <= pos && pos < cap, "decode_layers: Hq ", Hq, ", KVH ", KVH, ", pos ",
-              pos, ", cache of ", cap);
-  for (const at::Tensor* t : {&q, &rot_q, &attn}) check_bf16(*t, Hq * D, "q/rot_q/attn scratch");
-  for (const at::Tensor* t : {&k, &v}) check_bf16(*t, KVH * D, "k/v scratch");
-  for (const at::Tensor* t : {&o, &down}) check_bf16(*t, C, "o/down scratch");
-  check_bf16(up, I, "up scratch");
-  check_bf16(gate, I, "gate scratch");
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && o.sizes() == x.sizes(),
-              "decode_layers: gate/up must be [1, I] and o [1, C]");
-
-  // Check every layer before the first writes anything.
-  std::vector<edgeq_core::Matrix> mats(kMats * L);
-  const int64_t outs_k[kMats] = {C, C, C, Hq * D, C, C, I};
-  const at::Tensor* outs[kMats] = {&q, &k, &v, &o, &gate, &up, &down};
+  const char* what[9] = {"q scratch", "k scratch", "v scratch", "rot_q scratch", "attn scratch",
+                         "o scratch", "gate scratch", "up scratch", "down scratch"};
+  const int64_t numel[9] = {Hq * D, KVH * D, KVH * D, Hq * D, Hq * D, C, I, I, C};
+  for (int j = 0; j < 9; ++j) check_bf16(scratch[j], numel[j], what[j]);
+  std::vector<edgeq_core::Matrix> mats(w8 ? 0 : kMats * L);
+  const int64_t ins[kMats] = {C, C, C, Hq * D, C, C, I}, outs[kMats] = {Hq * D, KVH * D, KVH * D, C, I, I, C};
   for (int64_t l = 0; l < L; ++l) {
-    for (int64_t i = 0; i < kMats; ++i) mats[l * kMats + i] = matrix(weights, group_sizes, biases, l, i, outs_k[i], *outs[i]);
+    for (int64_t i = 0; i < kMats; ++i) {
+      if (w8) check_w4a8(weights, group_sizes, biases, l, i, ins[i], outs[i]);
+      else mats[l * kMats + i] = matrix(weights, group_sizes, biases, l, i, ins[i], scratch[i < 3 ? i : i + 2]);
+    }
     check_bf16(norms[2 * l], C, "input norm weight", l);
     check_bf16(norms[2 * l + 1], C, "post-attention norm weight", l);
     for (int64_t j = 0; j < 2; ++j) {
@@ -117,27 +152,64 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
     TORCH_CHECK(windows[l] >= 0, "decode_layers: layer ", l, " window ", windows[l]);
   }
   check_bf16(norms[2 * L], C, "final norm weight");
+  return mats;
+}
 
+void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weights, at::IntArrayRef group_sizes,
+                   const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
+                   at::TensorList caches, at::ArrayRef<double> scales, at::IntArrayRef windows, const at::Tensor& cos,
+                   const at::Tensor& nsin, int64_t pos, at::TensorList scratch, int64_t block_n, int64_t full_mode,
+                   int64_t tail_modes, int64_t isa, int64_t w4a8_isa) {
+  const int64_t L = static_cast<int64_t>(scales.size());
+  const bool w8 = w4a8_isa >= 0;
+  const std::vector<edgeq_core::Matrix> mats = check_args(x, n, weights, group_sizes, biases, norms, eps, caches,
+                                                          windows, cos, nsin, pos, scratch, L, w8, block_n, full_mode,
+                                                          isa);
+  const at::Tensor &q = scratch[0], &k = scratch[1], &v = scratch[2], &rot_q = scratch[3], &attn = scratch[4],
+                   &o = scratch[5], &down = scratch[8];
+  const int64_t C = x.numel(), Hq = rot_q.size(0), D = rot_q.size(1), KVH = caches[0].size(1), cap = caches[0].size(2);
+  const at::Tensor attn_row = attn.view({1, Hq * D});  // the o projection's input
   const int64_t end = pos + 1;
   uint16_t *xs = bits(x), *ns = bits(n);
   const uint16_t* delta = nullptr;
+  at::Tensor yd;  // a W4A8 layer's down output: delta until the next layer's norm has read it
   for (int64_t l = 0; l < L; ++l) {
-    const edgeq_core::Matrix* m = mats.data() + l * kMats;
+    const edgeq_core::Matrix* m = w8 ? nullptr : mats.data() + l * kMats;
     edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * l]), 1, C, static_cast<float>(eps[2 * l]), ns);
-    edgeq_core::int4_multi(ns, 1, C, m, 3, block_n, full_mode, tail_modes, isa);
+    at::Tensor yq = q, yk = k, yv = v;
+    if (w8) {
+      yq = w4a8(n, weights, group_sizes, biases, l, 0, w4a8_isa);
+      yk = w4a8(n, weights, group_sizes, biases, l, 1, w4a8_isa);
+      yv = w4a8(n, weights, group_sizes, biases, l, 2, w4a8_isa);
+    } else {
+      edgeq_core::int4_multi(ns, 1, C, m, 3, block_n, full_mode, tail_modes, isa);
+    }
     uint16_t *keys = bits(caches[2 * l]), *values = bits(caches[2 * l + 1]);
-    edgeq_core::rope_to_cache(bits(q), bits(k), bits(v), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap, pos,
+    edgeq_core::rope_to_cache(bits(yq), bits(yk), bits(yv), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap, pos,
                               bits(rot_q));
     const int64_t start = windows[l] > 0 && end > windows[l] ? end - windows[l] : 0;
     edgeq_core::decode_attn(bits(rot_q), keys, values, Hq, KVH, D, cap, start, end, static_cast<float>(scales[l]),
                             bits(attn), isa);
-    edgeq_core::int4_multi(bits(attn), 1, Hq * D, m + 3, 1, block_n, full_mode, tail_modes, isa);
-    edgeq_core::add_rms_norm(xs, bits(o), bits(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
-    edgeq_core::int4_multi(ns, 1, C, m + 4, 2, block_n, full_mode, tail_modes, isa);
-    at::silu_(const_cast<at::Tensor&>(gate));  // torch's kernel: the Python step's F.silu(g, inplace=True)
-    const_cast<at::Tensor&>(gate).mul_(up);
-    edgeq_core::int4_multi(bits(gate), 1, I, m + 6, 1, block_n, full_mode, tail_modes, isa);
-    delta = bits(down);
+    at::Tensor yo = o;
+    if (w8) yo = w4a8(attn_row, weights, group_sizes, biases, l, 3, w4a8_isa);
+    else edgeq_core::int4_multi(bits(attn), 1, Hq * D, m + 3, 1, block_n, full_mode, tail_modes, isa);
+    edgeq_core::add_rms_norm(xs, bits(yo), bits(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
+    at::Tensor g = scratch[6], u = scratch[7];
+    if (w8) {
+      g = w4a8(n, weights, group_sizes, biases, l, 4, w4a8_isa);
+      u = w4a8(n, weights, group_sizes, biases, l, 5, w4a8_isa);
+    } else {
+      edgeq_core::int4_multi(ns, 1, C, m + 4, 2, block_n, full_mode, tail_modes, isa);
+    }
+    at::silu_(g);  // torch's kernels: the Python step's F.silu(g, inplace=True) and g.mul_(u)
+    g.mul_(u);
+    if (w8) {
+      yd = w4a8(g, weights, group_sizes, biases, l, 6, w4a8_isa);
+      delta = bits(yd);
+    } else {
+      edgeq_core::int4_multi(bits(g), 1, g.numel(), m + 6, 1, block_n, full_mode, tail_modes, isa);
+      delta = bits(down);
+    }
   }
   edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * L]), 1, C, static_cast<float>(eps[2 * L]), ns);
 }
@@ -147,7 +219,7 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor(b!) n, Tensor[] weights, int[] group_sizes, Tensor?[] biases, "
         "Tensor[] norms, float[] eps, Tensor(c!)[] caches, float[] scales, int[] windows, Tensor cos, Tensor nsin, "
-        "int pos, Tensor(d!)[] scratch, int block_n, int full_mode, int tail_modes, int isa) -> ()");
+        "int pos, Tensor(d!)[] scratch, int block_n, int full_mode, int tail_modes, int isa, int w4a8_isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -8,9 +8,11 @@ interpreter and dispatch between them (measured: docs/kernel.md, "Decode breakdo
 embedding row, the position's RoPE rows, the head and the pick.
 
 It runs when every layer's seven projections are W4A16 :class:`~edgeq.runtime.qlinear.Int4Linear` modules on the
-native kernel of one runtime (so one layout), with no act-order permutation and no residual levels, and the family
-has no q/k head norm (Qwen3 keeps the Python step); :func:`why_not` says otherwise. Checked again every step: a
-runtime switched to aten's op (tests, benchmarks) or a crossover at one row runs the Python step instead.
+native kernel of one runtime (so one layout), with no act-order permutation and no residual levels, or all
+:class:`~edgeq.runtime.w4a8linear.W4A8Linear` modules on edgeq's native W4A8 op (called from C++ through the
+dispatcher, one call per matrix as the Python step makes them), and the family has no q/k head norm (Qwen3 keeps the
+Python step); :func:`why_not` says otherwise. Checked again every step: a runtime switched to aten's op (tests,
+benchmarks) or a crossover at one row runs the Python step instead.
 
 The argument lists are built once and hold references (the mapped weights, the norms, the cache's buffers): nothing
 is copied. The step's own buffers (q, k, v, the rotated q, the attention's output, o, gate, up, down: one token each)
@@ -24,6 +26,7 @@ from torch import nn
 
 from edgeq.runtime import native
 from edgeq.runtime.qlinear import Int4Linear
+from edgeq.runtime.w4a8linear import NATIVE_PREFIX, W4A8Linear
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # the op's order within a layer
 
@@ -37,17 +40,25 @@ def why_not(layers: list[nn.Module], family: str) -> str | None:
     """None when :class:`Stack` runs these decoder layers; otherwise why not (a phrase for the settings)."""
     if family == "qwen3":
         return "qwen3's q/k head norms run in Python"
+    if not layers:
+        return "no layers"
+    kind = type(_modules(layers[0])[0])
     rt = None
     for i, layer in enumerate(layers):
         for name, m in zip(MATRICES, _modules(layer)):
-            if type(m) is not Int4Linear:
-                return f"model.layers.{i}.{name}_proj is not a W4A16 Int4Linear"
+            where = f"model.layers.{i}.{name}_proj"
+            if type(m) is not kind or kind not in (Int4Linear, W4A8Linear):
+                return f"{where} is not a W4A16 Int4Linear or a W4A8Linear like the first projection"
+            if kind is W4A8Linear:
+                if not m.choice.source.startswith(NATIVE_PREFIX):
+                    return f"{where} runs W4A8 on {m.choice.source}, not edgeq's native op"
+                continue
             rt = m.runtime if rt is None else rt
             if m.runtime is not rt or rt.native is None:
-                return f"model.layers.{i}.{name}_proj is not on the native kernel of the model's runtime"
+                return f"{where} is not on the native kernel of the model's runtime"
             if m.perm is not None or m.residual_levels:
-                return f"model.layers.{i}.{name}_proj has an act-order permutation or residual levels"
-    return None if layers else "no layers"
+                return f"{where} has an act-order permutation or residual levels"
+    return None
 
 
 class Stack:
@@ -57,9 +68,13 @@ class Stack:
 
     def __init__(self, decoder, layers: list[nn.Module], final_norm: torch.Tensor, final_eps: float):
         mods = [_modules(layer) for layer in layers]
-        self.runtime = mods[0][0].runtime
+        first = mods[0][0]
+        self.w4a8 = type(first) is W4A8Linear
+        self.runtime = None if self.w4a8 else first.runtime
+        self.first = first
         self.decoder = decoder
-        self.weights = [t for ms in mods for t in [m.qweight for m in ms] + [m.scales_and_zeros for m in ms]]
+        parts = (("qweight", "scales", "zeros") if self.w4a8 else ("qweight", "scales_and_zeros"))
+        self.weights = [getattr(m, a) for ms in mods for a in parts for m in ms]
         self.group_sizes = [int(m.group_size) for ms in mods for m in ms]
         self.biases = [m.bias for ms in mods for m in ms]
         lean = decoder.layers
@@ -69,7 +84,7 @@ class Stack:
         self.scales = [L.scale for L in lean]
         self.windows = [L.window or 0 for L in lean]
         h, kvh, d, dt = decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.dtype
-        inter = mods[0][4].out_features
+        inter = mods[0][4].out_features  # unused by W4A8 layers (their op returns its own outputs), checked alike
         self.scratch = [torch.empty(1, h * d, dtype=dt), torch.empty(1, kvh * d, dtype=dt),
                         torch.empty(1, kvh * d, dtype=dt), torch.empty(h, d, dtype=dt), torch.empty(h, d, dtype=dt),
                         torch.empty(1, decoder.hidden, dtype=dt), torch.empty(1, inter, dtype=dt),
@@ -80,12 +95,17 @@ class Stack:
     def usable(self) -> bool:
         """Whether the op runs this step: the runtime is still on the native kernel and one row is below its
         crossover (both can be switched on a loaded model)."""
+        if self.w4a8:  # its kernel choice is made at load; the decode ops' library must still run
+            return self.first.choice.source.startswith(NATIVE_PREFIX) and native.available()
         rt = self.runtime
         return rt.native is not None and rt.prefill_threshold > 1
 
     def __call__(self, pos: int) -> None:
         dec = self.decoder
         native.decode_layers(dec.x, dec.n, self.weights, self.group_sizes, self.biases, self.norms, self.eps,
-                             self.caches, self.scales, self.windows, dec.cos_p, dec.nsin_p, pos, self.scratch)
-        rt = self.runtime
-        rt.counts[rt.decode_path] += self.calls
+                             self.caches, self.scales, self.windows, dec.cos_p, dec.nsin_p, pos, self.scratch,
+                             w4a8=self.w4a8)
+        if self.w4a8:
+            self.first.counts[self.first.path] += self.calls
+        else:
+            self.runtime.counts[self.runtime.decode_path] += self.calls

@@ -67,6 +67,21 @@ _LIBRARY = build.Library(SPEC, globals())
 available, status, call_count, build_key = _LIBRARY.available, _LIBRARY.status, _LIBRARY.call_count, _LIBRARY.build_key
 
 
+def isa_code() -> int:
+    """The process's ISA code for ``w4a8_mm`` (the op's ``isa`` argument); raises :class:`EdgeqError` as
+    :func:`w4a8_mm` does when the kernel is unavailable."""
+    st = _state or _LIBRARY.load()
+    if not st.available:
+        raise EdgeqError(st.reason if st.user_error else f"native w4a8_mm is not available: {st.reason}")
+    return build.isa_code(SPEC, st, None, "w4a8_mm")
+
+
+def count_calls(n: int) -> None:
+    """Count ``n`` matrices computed through this op by another (the W4A16 library's ``decode_layers``)."""
+    global _calls
+    _calls += n
+
+
 def source_name() -> str:
     """How the runtime names this kernel, e.g. ``edgeq native (vnni)``."""
     st = _LIBRARY.load()
