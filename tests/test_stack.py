@@ -161,3 +161,26 @@ def test_bad_arguments_raise_edgeq_error_before_writing(ready, tiny, bad, messag
         native.decode_layers(*args)
     assert torch.equal(lm.decoder.x.view(torch.int16), x_before)
     assert all(torch.equal(c.keys.view(torch.int16), b) for c, b in zip(lm.cache.layers, cache_before))
+
+
+def test_an_act_order_head_reads_this_steps_norm(ready, tiny, tmp_path):
+    """The native ops write the final norm's output in place through raw pointers, which torch's version counter does
+    not see; an act-order head gathers its input keyed on that counter (Runtime.gather), so the step bumps it: every
+    step's logits are the head of that step's norm, not a stale gather of the previous one."""
+    import shutil
+
+    from helpers.perm import permute
+
+    ckpt = tmp_path / "head-perm"
+    shutil.copytree(tiny["qwen2"], ckpt)
+    permute(ckpt, torch.randperm(128, generator=torch.Generator().manual_seed(2)), modules=["lm_head"])
+    lm = load(ckpt, kv_cache_bytes="1MiB", decode_ops="native")
+    dec = lm.decoder
+    assert dec.stack is not None and lm.model.lm_head.perm is not None
+    for one_call in (True, False):
+        dec.native_layers = one_call
+        lm.cache.reset()
+        lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)
+        steps = [(lm.decode_step(t).reshape(-1).clone(), dec.n.clone()) for t in (11, 250, 37)]
+        for logits, n in steps:  # after the steps: a gather here would refresh the head's cached one
+            assert torch.equal(logits, dec.head.fn(n).reshape(-1))
