@@ -189,6 +189,7 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
                         + (" " + crossover_phrase(e.get("prefill_crossover"))).rstrip()
                         + (f" ({e['path_note']})" if e.get("path_note") else "")
                         + f", loop {e.get('decode_loop')}, decode ops {e.get('decode_ops')}"
+                        + (f" (layers {e['decode_layers']})" if e.get("decode_layers", "n/a") != "n/a" else "")
                         + f", prefill attention {e.get('prefill_attn', 'sdpa')}")
             lines.append(f"- {model} {s.label}: {desc}; {paths}")
     for model, prep, report in results:

@@ -63,6 +63,7 @@ def test_one_call_equals_the_python_step_bit_for_bit(ready, tiny, name, monkeypa
     dec = lm.decoder
     assert dec.stack is not None and dec.native_layers, dec.stack_reason
     assert lm.settings.decode_ops_reason.endswith("; the layers in one call (decode_layers)")
+    assert lm.settings.decode_layers == "one call"
     if name == "mistral-window":
         assert [L.window for L in dec.layers] == [16, 16]  # 24 + 24 positions: the window slides
     tokens = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -99,6 +100,7 @@ def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
     lm = load(tiny["qwen3"], kv_cache_bytes="1MiB", decode_ops="native")
     assert lm.decoder.stack is None and not lm.decoder.native_layers
     assert lm.settings.decode_ops_reason.endswith("; the layers op by op (qwen3's q/k head norms run in Python)")
+    assert lm.settings.decode_layers == "op by op"
     layers = list(load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native").model.model.layers)
     assert stack.why_not(layers, "llama") is None
     assert stack.why_not([], "llama") == "no layers"
@@ -113,6 +115,7 @@ def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
         assert stack.why_not(w8, "qwen2") == "model.layers.1.o_proj runs W4A8 on portable, not edgeq's native op"
     torch_ops = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="torch")
     assert torch_ops.settings.decode_ops_reason == "requested (decode_ops=torch)"  # no layer phrase off the native ops
+    assert torch_ops.settings.decode_layers == "n/a"
 
 
 def test_a_runtime_switched_to_aten_falls_back_to_the_python_step(ready, tiny, monkeypatch):

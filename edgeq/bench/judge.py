@@ -11,7 +11,7 @@ from edgeq.bench.records import ArmSummary, PassResult
 # Settings that make two edgeq arms run the same thing (crossover_source is left out: "measured" then "cached").
 COMPARED_SETTINGS = ("quantized", "scheme", "dtype", "max_model_len", "kv_cache_budget", "kv_cache_bytes", "threads_now",
                      "decode_path", "prefill_path", "prefill_crossover", "layout", "native_isa", "decode_ops",
-                     "prefill_attn", "env")
+                     "decode_layers", "prefill_attn", "env")
 GGUF_SETTINGS = ("model_desc", "n_ctx", "n_threads", "n_threads_batch", "n_batch", "n_ubatch")
 # Settings that should be equal across arms that compare two checkpoints (otherwise the ratio mixes two effects).
 # (name, edgeq key, llama.cpp key, tolerance): llama.cpp pads n_ctx up to a multiple of 256.

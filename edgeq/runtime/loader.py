@@ -63,6 +63,7 @@ class RuntimeSettings:
     decode_loop_reason: str = ""  # why this loop: supported family, an override, or why the lean loop cannot run
     decode_ops: str = "n/a"  # the lean decoder's ops around the projections: "native" | "torch" (n/a: no lean loop)
     decode_ops_reason: str = ""
+    decode_layers: str = "n/a"  # native ops: "one call" (edgeq::decode_layers, runtime/stack.py) | "op by op"
     lean_bytes: int = 0  # what the lean decoder allocated (RoPE tables for max_model_len, one token's buffers)
     fused_mlps: int = 0  # gated MLPs running edgeq's in-place forward (edgeq/runtime/fused.py)
     embeddings: str = "bf16"  # the input embedding: "bf16" (mapped table) or "packed 4-bit (<levels>)", embedding.py
@@ -230,8 +231,10 @@ def _path_settings(swapped: SwapResult | None) -> dict:
 def _lean_settings(decoder) -> dict:
     """The RuntimeSettings fields of the lean decoder (n/a without one)."""
     if decoder is None:
-        return dict(decode_ops="n/a", decode_ops_reason="", lean_bytes=0)
-    return dict(decode_ops=decoder.ops, decode_ops_reason=decoder.ops_reason, lean_bytes=decoder.owned_bytes)
+        return dict(decode_ops="n/a", decode_ops_reason="", decode_layers="n/a", lean_bytes=0)
+    layers = "n/a" if decoder.ops != "native" else "one call" if decoder.native_layers else "op by op"
+    return dict(decode_ops=decoder.ops, decode_ops_reason=decoder.ops_reason, decode_layers=layers,
+                lean_bytes=decoder.owned_bytes)
 
 
 SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale and zero), amx_w4a8 (fp32 scales)
