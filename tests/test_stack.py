@@ -116,6 +116,9 @@ def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
     torch_ops = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="torch")
     assert torch_ops.settings.decode_ops_reason == "requested (decode_ops=torch)"  # no layer phrase off the native ops
     assert torch_ops.settings.decode_layers == "n/a"
+    assert torch_ops.decoder.stack is None  # its buffers are allocated with the native ops' only
+    torch_ops.decoder.ops = "native"  # switched (benchmarks do): built then
+    assert torch_ops.decoder.native_layers and torch_ops.decoder.owned_bytes > torch_ops.settings.lean_bytes
 
 
 def test_a_runtime_switched_to_aten_falls_back_to_the_python_step(ready, tiny, monkeypatch):

@@ -172,13 +172,11 @@ class LeanDecoder:
         ops, self.ops_reason = ops_choice(ops)
         # the native step's layers in one call where the modules allow (edgeq.runtime.stack; the same bits)
         self.stack_reason = stack.why_not(list(body.layers), self.family)
-        self._use_stack = True
+        self._stack_layers, self.stack, self._use_stack = list(body.layers), None, True  # built with the native buffers
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)
-            self.stack = None if self.stack_reason else stack.Stack(self, list(body.layers), self.w_final,
-                                                                    self.eps_final_f)
         if ops == "native":
-            self.ops_reason += ("; the layers in one call (decode_layers)" if self.stack is not None else
+            self.ops_reason += ("; the layers in one call (decode_layers)" if self.stack_reason is None else
                                 f"; the layers op by op ({self.stack_reason})")
         self.ops = ops
 
@@ -212,7 +210,7 @@ class LeanDecoder:
 
     def _buffers(self, ops: str) -> None:
         """Allocate what ``ops`` needs that is not there yet. Native: the rotated q [h, d] (k goes straight into the
-        cache) and the attention's output. Torch: the RMSNorm's buffers, q|k's RoPE terms and result. Both: q|k
+        cache), the attention's output and, where it runs, the one-call step's buffers (:mod:`.stack`). Torch: the RMSNorm's buffers, q|k's RoPE terms and result. Both: q|k
         when its head norm (Qwen3) or RoPE (torch) runs over it."""
         d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
         if self.qk is None and (ops == "torch" or self.family == "qwen3"):
@@ -222,6 +220,8 @@ class LeanDecoder:
         if ops == "native" and self.attn_out is None:
             self._rot_qh, self.attn_out = torch.empty(h, d, dtype=dt), torch.empty(h, d, dtype=dt)
             self._attn_flat = self.attn_out.view(1, h * d)  # the o projection's input
+            if self.stack_reason is None:  # the layers in one call: its own one-token buffers
+                self.stack = stack.Stack(self, self._stack_layers, self.w_final, self.eps_final_f)
         elif ops == "torch" and self.rot is None:
             self.norm = _RMSNorm(1, self.hidden, dt)
             self.t1, self.t2, self.rot = (torch.empty(h + kvh, d, dtype=dt) for _ in range(3))
