@@ -1,7 +1,7 @@
 """A decode step's layers in one native call (edgeq/runtime/stack.py, the op ``edgeq::decode_layers`` in
 edgeq/csrc/decode_step.cpp): the same logits, cache and counters as the Python native step, bit for bit (Llama with a
-tied head, Qwen2 with q/k/v biases, Mistral with a sliding window shorter than the context, a W4A8 Qwen2 through
-edgeq's W4A8 op); the models and states it does not take run the Python step and say why; a runtime switched to
+tied head, Qwen2 with q/k/v biases, Qwen3 with q/k head norms, Mistral with a sliding window shorter than the
+context, a W4A8 Qwen2 through edgeq's W4A8 op); the models and states it does not take run the Python step and say why; a runtime switched to
 aten's op falls back; bad arguments raise EdgeqError before anything is written."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _decode(lm, tokens, one_call: bool):
     return logits, rows, dict(lm.path_counts), (native.call_count() - calls[0], native_w4a8.call_count() - calls[1])
 
 
-@pytest.mark.parametrize("name", ["prose", "qwen2", "mistral-window", "qwen2-w4a8"])
+@pytest.mark.parametrize("name", ["prose", "qwen2", "qwen3", "mistral-window", "qwen2-w4a8"])
 def test_one_call_equals_the_python_step_bit_for_bit(ready, tiny, name, monkeypatch):
     if name not in tiny:
         pytest.skip(f"edgeq's W4A8 kernel does not run here: {native_w4a8.status()['reason']}")
@@ -96,23 +96,31 @@ def test_bits_do_not_depend_on_threads(ready, tiny):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny):
-    lm = load(tiny["qwen3"], kv_cache_bytes="1MiB", decode_ops="native")
+def test_what_it_does_not_take_runs_the_python_step_and_says_why(ready, tiny, tmp_path):
+    import shutil
+
+    from helpers.perm import permute
+
+    ckpt = tmp_path / "qkv-perm"  # act-order q/k/v in layer 0
+    shutil.copytree(tiny["qwen2"], ckpt)
+    permute(ckpt, torch.randperm(128, generator=torch.Generator().manual_seed(1)))
+    lm = load(ckpt, kv_cache_bytes="1MiB", decode_ops="native")
     assert lm.decoder.stack is None and not lm.decoder.native_layers
-    assert lm.settings.decode_ops_reason.endswith("; the layers op by op (qwen3's q/k head norms run in Python)")
+    assert lm.settings.decode_ops_reason.endswith(
+        "; the layers op by op (model.layers.0.q_proj has an act-order permutation or residual levels)")
     assert lm.settings.decode_layers == "op by op"
     layers = list(load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native").model.model.layers)
-    assert stack.why_not(layers, "llama") is None
-    assert stack.why_not([], "llama") == "no layers"
+    assert stack.why_not(layers) is None
+    assert stack.why_not([]) == "no layers"
     down = layers[2].mlp.down_proj
     layers[2].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)  # e.g. a bf16 reference
-    assert stack.why_not(layers, "llama") == ("model.layers.2.down_proj is not a W4A16 Int4Linear or a W4A8Linear like "
-                                             "the first projection")
+    assert stack.why_not(layers) == ("model.layers.2.down_proj is not a W4A16 Int4Linear or a W4A8Linear like the "
+                                     "first projection")
     if "qwen2-w4a8" in tiny:  # W4A8 on another kernel than edgeq's (the portable path here)
         w8 = list(load(tiny["qwen2-w4a8"], kv_cache_bytes="1MiB", decode_ops="native").model.model.layers)
-        assert stack.why_not(w8, "qwen2") is None
+        assert stack.why_not(w8) is None
         w8[1].self_attn.o_proj.choice = KernelChoice(PORTABLE, None, "portable", "test")
-        assert stack.why_not(w8, "qwen2") == "model.layers.1.o_proj runs W4A8 on portable, not edgeq's native op"
+        assert stack.why_not(w8) == "model.layers.1.o_proj runs W4A8 on portable, not edgeq's native op"
     torch_ops = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="torch")
     assert torch_ops.settings.decode_ops_reason == "requested (decode_ops=torch)"  # no layer phrase off the native ops
     assert torch_ops.settings.decode_layers == "n/a"

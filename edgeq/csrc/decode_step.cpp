@@ -9,13 +9,16 @@
 //     the final norm], eps [2 a layer, then the final], caches [2 a layer: keys, values bf16 [1, KVH, CAP, D]],
 //     scales [1 a layer], windows [1 a layer, 0 = none], cos bf16 [D], nsin bf16 [D], pos, scratch [q [Hq D],
 //     k [Hk D], v [Hk D], rot_q [Hq, D], attn [Hq, D], o [1, C], gate [1, I], up [1, I], down [1, C]],
-//     block_n, full_mode, tail_modes, isa, w4a8_isa) -> ()
+//     block_n, full_mode, tail_modes, isa, w4a8_isa, qk_norms [Qwen3: 3 a layer: q_norm and k_norm weights bf16 [D],
+//     their eps fp32 0-dim; else empty], qk_scratch [Qwen3: qk bf16 [Hq + Hk, D], f fp32 [Hq + Hk, D], sq (the
+//     same), var fp32 [Hq + Hk, 1], normed bf16 [Hq + Hk, D], cols fp32 0-dim (= D); else empty]) -> ()
 //
 // Per layer, with the ops of edgeq_core (decode_core.h) and, for silu(g) * u, torch's own silu_ and mul_ (so their
 // roundings are torch's, including its exp):
 //
 //     x += delta; n = w_in * norm(x)                    (delta: the previous layer's down output; none in layer 0)
 //     q, k, v = n @ Wq^T (+ bq), n @ Wk^T (+ bk), n @ Wv^T (+ bv)                 one int4_multi call
+//     q, k = w_qn * norm(q), w_kn * norm(k) per head               (Qwen3; torch's ops, as the Python step)
 //     rot_q = r(q); keys[pos] = r(k); values[pos] = v; attn = attention(rot_q, keys/values [start, pos + 1))
 //     o = attn @ Wo^T (+ bo); x += o; n = w_post * norm(x)
 //     g, u = n @ Wg^T (+ bg), n @ Wu^T (+ bu)                                      one int4_multi call
@@ -29,6 +32,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -96,6 +100,25 @@ at::Tensor w4a8(const at::Tensor& x, at::TensorList w, at::IntArrayRef groups,
                  biases.get(l * kMats + i), isa);
 }
 
+// Qwen3's head norm over the rows of qk = [q; k] (bf16 [Hq + Hk, D]), in place: the Python step's _qk_norm, op for op
+// with the same torch ops on the same buffers (edgeq/runtime/rmsnorm.py: RMSNorm.unweighted, then the weights), so
+// the same bits. t: qk_scratch; w: this layer's (w_qn, w_kn, eps).
+void qk_norm(at::TensorList t, const at::Tensor& w_qn, const at::Tensor& w_kn, const at::Tensor& eps, int64_t Hq) {
+  const at::Tensor &qk = t[0], &f = t[1], &sq = t[2], &var = t[3], &normed = t[4], &cols = t[5];
+  at::Tensor fm = f, vm = var;
+  fm.copy_(qk);
+  at::mul_out(const_cast<at::Tensor&>(sq), f, f);
+  at::sum_out(vm, sq, std::vector<int64_t>{-1}, true);
+  at::addcdiv_out(vm, eps, var, cols);
+  vm.rsqrt_();
+  fm.mul_(var);
+  at::Tensor(normed).copy_(f);
+  const int64_t Hk = qk.size(0) - Hq;
+  at::Tensor q_out = qk.narrow(0, 0, Hq), k_out = qk.narrow(0, Hq, Hk);
+  at::mul_out(q_out, w_qn, normed.narrow(0, 0, Hq));
+  at::mul_out(k_out, w_kn, normed.narrow(0, Hq, Hk));
+}
+
 // The argument checks, all made before the step writes anything; returns the W4A16 layers' matrices (none for W4A8).
 std::vector<edgeq_core::Matrix> check_args(const at::Tensor& x, const at::Tensor& n, at::TensorList weights,
                                            at::IntArrayRef group_sizes,
@@ -155,19 +178,43 @@ std::vector<edgeq_core::Matrix> check_args(const at::Tensor& x, const at::Tensor
   return mats;
 }
 
+// Qwen3's head-norm arguments (before anything is written).
+void check_qk(at::TensorList w, at::TensorList t, int64_t L, int64_t Hq, int64_t Hk, int64_t D) {
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 * L && t.size() == 6, "decode_layers: qk_norms: expected ", 3 * L,
+              " (3 a layer) and qk_scratch 6, got ", w.size(), " and ", t.size());
+  for (int64_t l = 0; l < L; ++l) {
+    check_bf16(w[3 * l], D, "q_norm weight", l);
+    check_bf16(w[3 * l + 1], D, "k_norm weight", l);
+    TORCH_CHECK(w[3 * l + 2].scalar_type() == at::kFloat && w[3 * l + 2].dim() == 0, "decode_layers: layer ", l,
+                " q/k norm eps: expected a 0-dim fp32 tensor");
+  }
+  const int64_t R = Hq + Hk;
+  check_bf16(t[0], R * D, "qk scratch");
+  check_bf16(t[4], R * D, "normed scratch");
+  for (int j = 1; j < 4; ++j)
+    TORCH_CHECK(t[j].scalar_type() == at::kFloat && t[j].is_contiguous() && t[j].dim() == 2 && t[j].size(0) == R &&
+                    t[j].size(1) == (j == 3 ? 1 : D),
+                "decode_layers: qk_scratch[", j, "]: expected contiguous fp32 [", R, ", ", j == 3 ? 1 : D, "], got ",
+                t[j].scalar_type(), " ", t[j].sizes());
+  TORCH_CHECK(t[0].dim() == 2 && t[4].dim() == 2 && t[5].scalar_type() == at::kFloat && t[5].dim() == 0,
+              "decode_layers: qk and normed must be [", R, ", ", D, "] and cols a 0-dim fp32 tensor");
+}
+
 void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weights, at::IntArrayRef group_sizes,
                    const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
                    at::TensorList caches, at::ArrayRef<double> scales, at::IntArrayRef windows, const at::Tensor& cos,
                    const at::Tensor& nsin, int64_t pos, at::TensorList scratch, int64_t block_n, int64_t full_mode,
-                   int64_t tail_modes, int64_t isa, int64_t w4a8_isa) {
+                   int64_t tail_modes, int64_t isa, int64_t w4a8_isa, at::TensorList qk_norms,
+                   at::TensorList qk_scratch) {
   const int64_t L = static_cast<int64_t>(scales.size());
-  const bool w8 = w4a8_isa >= 0;
+  const bool w8 = w4a8_isa >= 0, qk = !qk_norms.empty();
   const std::vector<edgeq_core::Matrix> mats = check_args(x, n, weights, group_sizes, biases, norms, eps, caches,
                                                           windows, cos, nsin, pos, scratch, L, w8, block_n, full_mode,
                                                           isa);
   const at::Tensor &q = scratch[0], &k = scratch[1], &v = scratch[2], &rot_q = scratch[3], &attn = scratch[4],
                    &o = scratch[5], &down = scratch[8];
   const int64_t C = x.numel(), Hq = rot_q.size(0), D = rot_q.size(1), KVH = caches[0].size(1), cap = caches[0].size(2);
+  if (qk) check_qk(qk_norms, qk_scratch, L, Hq, KVH, D);
   const at::Tensor attn_row = attn.view({1, Hq * D});  // the o projection's input
   const int64_t end = pos + 1;
   uint16_t *xs = bits(x), *ns = bits(n);
@@ -183,6 +230,14 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
       yv = w4a8(n, weights, group_sizes, biases, l, 2, w4a8_isa);
     } else {
       edgeq_core::int4_multi(ns, 1, C, m, 3, block_n, full_mode, tail_modes, isa);
+    }
+    if (qk) {  // Qwen3: the head norms run on [q; k] copied into one buffer, then RoPE reads q and k from it
+      const at::Tensor& qkb = qk_scratch[0];
+      std::memcpy(bits(qkb), bits(yq), Hq * D * 2);
+      std::memcpy(bits(qkb) + Hq * D, bits(yk), KVH * D * 2);
+      qk_norm(qk_scratch, qk_norms[3 * l], qk_norms[3 * l + 1], qk_norms[3 * l + 2], Hq);
+      yq = qkb.narrow(0, 0, Hq);
+      yk = qkb.narrow(0, Hq, KVH);
     }
     uint16_t *keys = bits(caches[2 * l]), *values = bits(caches[2 * l + 1]);
     edgeq_core::rope_to_cache(bits(yq), bits(yk), bits(yv), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap, pos,
@@ -219,7 +274,8 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
 TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor(b!) n, Tensor[] weights, int[] group_sizes, Tensor?[] biases, "
         "Tensor[] norms, float[] eps, Tensor(c!)[] caches, float[] scales, int[] windows, Tensor cos, Tensor nsin, "
-        "int pos, Tensor(d!)[] scratch, int block_n, int full_mode, int tail_modes, int isa, int w4a8_isa) -> ()");
+        "int pos, Tensor(d!)[] scratch, int block_n, int full_mode, int tail_modes, int isa, int w4a8_isa, "
+        "Tensor[] qk_norms, Tensor(e!)[] qk_scratch) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("decode_layers", decode_layers); }

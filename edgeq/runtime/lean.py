@@ -171,7 +171,7 @@ class LeanDecoder:
         self.threads = torch.get_num_threads()  # set once by load(); the loop never changes it
         ops, self.ops_reason = ops_choice(ops)
         # the native step's layers in one call where the modules allow (edgeq.runtime.stack; the same bits)
-        self.stack_reason = stack.why_not(list(body.layers), self.family)
+        self.stack_reason = stack.why_not(list(body.layers))
         self._stack_layers, self.stack, self._use_stack = list(body.layers), None, True  # built with the native buffers
         with torch.inference_mode(False):  # normal tensors: in-place writes bump their version (Runtime.gather keys on it)
             self._allocate(body.rotary_emb)

@@ -7,12 +7,12 @@ the layers and the final norm, so the logits are the same bits (tests/test_stack
 interpreter and dispatch between them (measured: docs/kernel.md, "Decode breakdown"). What stays in Python: the
 embedding row, the position's RoPE rows, the head and the pick.
 
+Qwen3's q/k head norms run inside too, with torch's own ops on the decoder's buffers (as the Python step runs them).
 It runs when every layer's seven projections are W4A16 :class:`~edgeq.runtime.qlinear.Int4Linear` modules on the
 native kernel of one runtime (so one layout), with no act-order permutation and no residual levels, or all
 :class:`~edgeq.runtime.w4a8linear.W4A8Linear` modules on edgeq's native W4A8 op (called from C++ through the
-dispatcher, one call per matrix as the Python step makes them), and the family has no q/k head norm (Qwen3 keeps the
-Python step); :func:`why_not` says otherwise. Checked again every step: a runtime switched to aten's op (tests,
-benchmarks) or a crossover at one row runs the Python step instead.
+dispatcher, one call per matrix as the Python step makes them); :func:`why_not` says otherwise. Checked again
+every step: a runtime switched to aten's op (tests, benchmarks) or a crossover at one row runs the Python step.
 
 The argument lists are built once and hold references (the mapped weights, the norms, the cache's buffers): nothing
 is copied. The step's own buffers (q, k, v, the rotated q, the attention's output, o, gate, up, down: one token each)
@@ -36,10 +36,8 @@ def _modules(layer: nn.Module) -> list[nn.Module]:
     return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
 
 
-def why_not(layers: list[nn.Module], family: str) -> str | None:
+def why_not(layers: list[nn.Module]) -> str | None:
     """None when :class:`Stack` runs these decoder layers; otherwise why not (a phrase for the settings)."""
-    if family == "qwen3":
-        return "qwen3's q/k head norms run in Python"
     if not layers:
         return "no layers"
     kind = type(_modules(layers[0])[0])
@@ -90,6 +88,11 @@ class Stack:
                         torch.empty(1, decoder.hidden, dtype=dt), torch.empty(1, inter, dtype=dt),
                         torch.empty(1, inter, dtype=dt), torch.empty(1, decoder.hidden, dtype=dt)]
         self.calls = len(self.group_sizes)
+        self.qk_norms, self.qk_scratch = [], []
+        if lean[0].w_qn is not None:  # Qwen3: the head norms' weights and eps, and the decoder's own buffers for them
+            self.qk_norms = [t for L in lean for t in (L.w_qn, L.w_kn, L.eps_qk)]
+            qn = decoder.qk_norm
+            self.qk_scratch = [decoder.qk, qn.f, qn.sq, qn.var, qn.normed, qn.cols]
 
     @property
     def usable(self) -> bool:
@@ -104,7 +107,7 @@ class Stack:
         dec = self.decoder
         native.decode_layers(dec.x, dec.n, self.weights, self.group_sizes, self.biases, self.norms, self.eps,
                              self.caches, self.scales, self.windows, dec.cos_p, dec.nsin_p, pos, self.scratch,
-                             w4a8=self.w4a8)
+                             w4a8=self.w4a8, qk_norms=self.qk_norms, qk_scratch=self.qk_scratch)
         if self.w4a8:
             self.first.counts[self.first.path] += self.calls
         else:
