@@ -4,6 +4,7 @@ Written tensor by tensor with edgeq's streaming writer, so building a multi-GB c
 
     python benchmarks/synthetic.py qwen2.5-1.5b /tmp/qwen-shape        # Qwen2.5-1.5B shapes, tied head
     python benchmarks/synthetic.py llama-3.2-1b /tmp/llama-shape
+    python benchmarks/synthetic.py qwen3-1.7b --layers 8 /tmp/qwen3-shape  # Qwen3-1.7B layers (q/k head norms)
     python benchmarks/synthetic.py scaled --layers 8 /tmp/scaled-8     # hidden 1024, vocab 16384, untied
 """
 
@@ -26,6 +27,10 @@ SHAPES = {
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                          hidden_act="silu", head_dim=64, bos_token_id=128000, eos_token_id=128001),
+    "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=151643, eos_token_id=151645),
     "scaled": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=2816,
                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=16384,
                    tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -46,6 +51,8 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
         if cfg["model_type"] == "qwen2":
             out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)), (p + "self_attn.v_proj.bias", (kv,))]
+        if cfg["model_type"] == "qwen3":  # RMSNorm over each head of q and k
+            out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
     out.append(("model.norm.weight", (h,)))
     if not cfg["tie_word_embeddings"]:
         out.append(("lm_head.weight", (v, h)))
