@@ -35,7 +35,11 @@ the passes' spread): per context one prefill, then N rounds, each running every 
 same cache length (the cache rewound between chunks), the arms' order reversed every round; reported per arm
 ms/token median [min-max] and, against the first arm, the median of the per-round differences and in how many
 rounds the arm was slower. The ablations and ``kernel only`` are arms here too (``--ops "native,without attention"``:
-what the attention costs in the step; ``--ops "native,kernel only"``: the time outside the matmuls, paired).
+what the attention costs in the step; ``--ops "native,kernel only"``: the time outside the matmuls, paired). So are
+the one-call step's own ablations, ops left out inside ``edgeq::decode_layers`` (``one call, kernel only``: its
+matmuls alone, called from C++ as the step calls them; ``one call, without attention``, ``one call, without norms +
+RoPE``, ``one call, without silu * up``): ``--ops "native,one call, kernel only"`` is not valid CSV, so these arms
+are separated by ``;`` when any is given (``--ops "native;one call, kernel only"``).
 
 ``--ablate`` (native ops) adds arms that time the same step with one class of native op replaced by a no-op (the
 logits are then wrong; only the time counts): ``without attention`` (``decode_attn``), ``without norms + RoPE``
@@ -122,7 +126,10 @@ def _paired(lm, arms: list[str], contexts: list[int], vocab: int, rounds: int, s
 
 
 ABLATIONS = {"without attention": ("decode_attn",), "without norms + RoPE": ("add_rms_norm", "rope_to_cache")}
-PAIRED_ONLY = ("kernel only", *ABLATIONS)  # --ops arms only --paired takes (the passes add them by themselves)
+# The one-call step (edgeq::decode_layers) with ops left out inside the call: its skip bits (native.decode_layers)
+IN_CALL = {"one call, kernel only": 7, "one call, without attention": 1, "one call, without norms + RoPE": 2,
+           "one call, without silu * up": 4}
+PAIRED_ONLY = ("kernel only", *ABLATIONS, *IN_CALL)  # --ops arms only --paired takes (the passes add them by themselves)
 
 
 @contextlib.contextmanager
@@ -161,6 +168,8 @@ def _arm(lm, arm: str) -> None:
     lm.decoder.ops = _ops(arm)
     lm.decoder.fuse_projections = arm != "native-separate"
     lm.decoder.native_layers = arm not in PYTHON_STEP
+    if lm.decoder.stack is not None:
+        lm.decoder.stack.skip = IN_CALL.get(arm, 0)
 
 
 def _prefill(lm, ctx: int, vocab: int) -> int:
@@ -222,7 +231,7 @@ def main() -> None:
     from edgeq.runtime.lean import ops_choice
 
     contexts = [int(c) for c in args.contexts.split(",")]
-    arms = [a.strip() for a in args.ops.split(",")]
+    arms = [a.strip() for a in args.ops.split(";" if ";" in args.ops else ",")]
     if args.ablate and "native-python" not in arms:
         arms.append("native-python")  # what the ablations are compared with
     for arm in arms:
@@ -234,6 +243,8 @@ def main() -> None:
               decode_ops=_ops(arms[0]))
     if lm.decoder is None:
         raise SystemExit(f"the lean decoder does not run this model: {lm.settings.decode_loop_reason}")
+    if any(a in IN_CALL for a in arms) and lm.decoder.stack_reason is not None:
+        raise SystemExit(f"--ops: the 'one call' arms need the one-call step; here: {lm.decoder.stack_reason}")
     vocab = int(lm.config.vocab_size)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     if args.paired:

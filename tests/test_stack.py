@@ -198,3 +198,25 @@ def test_an_act_order_head_reads_this_steps_norm(ready, tiny, tmp_path):
         steps = [(lm.decode_step(t).reshape(-1).clone(), dec.n.clone()) for t in (11, 250, 37)]
         for logits, n in steps:  # after the steps: a gather here would refresh the head's cached one
             assert torch.equal(logits, dec.head.fn(n).reshape(-1))
+
+
+def test_skip_bits_leave_out_ops_for_benchmarks(ready, tiny):
+    """The benchmarks' ablations inside the call: 7 runs the matmuls alone (the residual and the cache stay as they
+    were); 1 (no attention) changes the logits; 0 is the normal step."""
+    lm = load(tiny["prose"], kv_cache_bytes="1MiB", decode_ops="native")
+    dec = lm.decoder
+    want = _decode(lm, [9, 41], True)[0]
+    lm.cache.reset()
+    lm.forward(torch.tensor([PROMPT]), logits_to_keep=1)
+    x = dec.x.view(torch.int16).clone()
+    cache = [torch.cat([c.keys, c.values]).view(torch.int16).clone() for c in lm.cache.layers]
+    dec.stack.skip = 7
+    try:
+        dec.stack(len(PROMPT))
+        assert torch.equal(dec.x.view(torch.int16), x)
+        assert all(torch.equal(torch.cat([c.keys, c.values]).view(torch.int16), b) for c, b in zip(lm.cache.layers, cache))
+        dec.stack.skip = 1
+        assert not torch.equal(_decode(lm, [9, 41], True)[0], want)
+    finally:
+        dec.stack.skip = 0
+    assert torch.equal(_decode(lm, [9, 41], True)[0], want)

@@ -11,7 +11,10 @@
 //     k [Hk D], v [Hk D], rot_q [Hq, D], attn [Hq, D], o [1, C], gate [1, I], up [1, I], down [1, C]],
 //     block_n, full_mode, tail_modes, isa, w4a8_isa, qk_norms [Qwen3: 3 a layer: q_norm and k_norm weights bf16 [D],
 //     their eps fp32 0-dim; else empty], qk_scratch [Qwen3: qk bf16 [Hq + Hk, D], f fp32 [Hq + Hk, D], sq (the
-//     same), var fp32 [Hq + Hk, 1], normed bf16 [Hq + Hk, D], cols fp32 0-dim (= D); else empty]) -> ()
+//     same), var fp32 [Hq + Hk, 1], normed bf16 [Hq + Hk, D], cols fp32 0-dim (= D); else empty], skip = 0) -> ()
+//
+// skip (benchmarks only: the logits are then wrong, only the time counts): bit 0 leaves out the attention, bit 1 the
+// norms, RoPE + cache writes and Qwen3's head norms, bit 2 silu and mul; 7 leaves the matmuls alone.
 //
 // Per layer, with the ops of edgeq_core (decode_core.h) and, for silu(g) * u, torch's own silu_ and mul_ (so their
 // roundings are torch's, including its exp):
@@ -205,8 +208,9 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
                    at::TensorList caches, at::ArrayRef<double> scales, at::IntArrayRef windows, const at::Tensor& cos,
                    const at::Tensor& nsin, int64_t pos, at::TensorList scratch, int64_t block_n, int64_t full_mode,
                    int64_t tail_modes, int64_t isa, int64_t w4a8_isa, at::TensorList qk_norms,
-                   at::TensorList qk_scratch) {
+                   at::TensorList qk_scratch, int64_t skip) {
   const int64_t L = static_cast<int64_t>(scales.size());
+  const bool attention = !(skip & 1), norms_rope = !(skip & 2), gating = !(skip & 4);
   const bool w8 = w4a8_isa >= 0, qk = !qk_norms.empty();
   const std::vector<edgeq_core::Matrix> mats = check_args(x, n, weights, group_sizes, biases, norms, eps, caches,
                                                           windows, cos, nsin, pos, scratch, L, w8, block_n, full_mode,
@@ -222,7 +226,7 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
   at::Tensor yd;  // a W4A8 layer's down output: delta until the next layer's norm has read it
   for (int64_t l = 0; l < L; ++l) {
     const edgeq_core::Matrix* m = w8 ? nullptr : mats.data() + l * kMats;
-    edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * l]), 1, C, static_cast<float>(eps[2 * l]), ns);
+    if (norms_rope) edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * l]), 1, C, static_cast<float>(eps[2 * l]), ns);
     at::Tensor yq = q, yk = k, yv = v;
     if (w8) {
       yq = w4a8(n, weights, group_sizes, biases, l, 0, w4a8_isa);
@@ -231,7 +235,7 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
     } else {
       edgeq_core::int4_multi(ns, 1, C, m, 3, block_n, full_mode, tail_modes, isa);
     }
-    if (qk) {  // Qwen3: the head norms run on [q; k] copied into one buffer, then RoPE reads q and k from it
+    if (qk && norms_rope) {  // Qwen3: the head norms run on [q; k] copied into one buffer, then RoPE reads q and k from it
       const at::Tensor& qkb = qk_scratch[0];
       std::memcpy(bits(qkb), bits(yq), Hq * D * 2);
       std::memcpy(bits(qkb) + Hq * D, bits(yk), KVH * D * 2);
@@ -240,15 +244,18 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
       yk = qkb.narrow(0, Hq, KVH);
     }
     uint16_t *keys = bits(caches[2 * l]), *values = bits(caches[2 * l + 1]);
-    edgeq_core::rope_to_cache(bits(yq), bits(yk), bits(yv), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap, pos,
-                              bits(rot_q));
+    if (norms_rope)
+      edgeq_core::rope_to_cache(bits(yq), bits(yk), bits(yv), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap,
+                                pos, bits(rot_q));
     const int64_t start = windows[l] > 0 && end > windows[l] ? end - windows[l] : 0;
-    edgeq_core::decode_attn(bits(rot_q), keys, values, Hq, KVH, D, cap, start, end, static_cast<float>(scales[l]),
-                            bits(attn), isa);
+    if (attention)
+      edgeq_core::decode_attn(bits(rot_q), keys, values, Hq, KVH, D, cap, start, end, static_cast<float>(scales[l]),
+                              bits(attn), isa);
     at::Tensor yo = o;
     if (w8) yo = w4a8(attn_row, weights, group_sizes, biases, l, 3, w4a8_isa);
     else edgeq_core::int4_multi(bits(attn), 1, Hq * D, m + 3, 1, block_n, full_mode, tail_modes, isa);
-    edgeq_core::add_rms_norm(xs, bits(yo), bits(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
+    if (norms_rope)
+      edgeq_core::add_rms_norm(xs, bits(yo), bits(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
     at::Tensor g = scratch[6], u = scratch[7];
     if (w8) {
       g = w4a8(n, weights, group_sizes, biases, l, 4, w4a8_isa);
@@ -256,8 +263,10 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
     } else {
       edgeq_core::int4_multi(ns, 1, C, m + 4, 2, block_n, full_mode, tail_modes, isa);
     }
-    at::silu_(g);  // torch's kernels: the Python step's F.silu(g, inplace=True) and g.mul_(u)
-    g.mul_(u);
+    if (gating) {
+      at::silu_(g);  // torch's kernels: the Python step's F.silu(g, inplace=True) and g.mul_(u)
+      g.mul_(u);
+    }
     if (w8) {
       yd = w4a8(g, weights, group_sizes, biases, l, 6, w4a8_isa);
       delta = bits(yd);
@@ -266,7 +275,7 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
       delta = bits(down);
     }
   }
-  edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * L]), 1, C, static_cast<float>(eps[2 * L]), ns);
+  if (norms_rope) edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * L]), 1, C, static_cast<float>(eps[2 * L]), ns);
 }
 
 }  // namespace
@@ -275,7 +284,7 @@ TORCH_LIBRARY_FRAGMENT(edgeq, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor(b!) n, Tensor[] weights, int[] group_sizes, Tensor?[] biases, "
         "Tensor[] norms, float[] eps, Tensor(c!)[] caches, float[] scales, int[] windows, Tensor cos, Tensor nsin, "
         "int pos, Tensor(d!)[] scratch, int block_n, int full_mode, int tail_modes, int isa, int w4a8_isa, "
-        "Tensor[] qk_norms, Tensor(e!)[] qk_scratch) -> ()");
+        "Tensor[] qk_norms, Tensor(e!)[] qk_scratch, int skip=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeq, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -88,6 +88,7 @@ class Stack:
                         torch.empty(1, decoder.hidden, dtype=dt), torch.empty(1, inter, dtype=dt),
                         torch.empty(1, inter, dtype=dt), torch.empty(1, decoder.hidden, dtype=dt)]
         self.calls = len(self.group_sizes)
+        self.skip = 0  # benchmarks' ablations only: ops the call leaves out (native.decode_layers)
         self.qk_norms, self.qk_scratch = [], []
         if lean[0].w_qn is not None:  # Qwen3: the head norms' weights and eps, and the decoder's own buffers for them
             self.qk_norms = [t for L in lean for t in (L.w_qn, L.w_kn, L.eps_qk)]
@@ -107,7 +108,7 @@ class Stack:
         dec = self.decoder
         native.decode_layers(dec.x, dec.n, self.weights, self.group_sizes, self.biases, self.norms, self.eps,
                              self.caches, self.scales, self.windows, dec.cos_p, dec.nsin_p, pos, self.scratch,
-                             w4a8=self.w4a8, qk_norms=self.qk_norms, qk_scratch=self.qk_scratch)
+                             w4a8=self.w4a8, qk_norms=self.qk_norms, qk_scratch=self.qk_scratch, skip=self.skip)
         if self.w4a8:
             self.first.counts[self.first.path] += self.calls
         else:

@@ -90,17 +90,19 @@ def _small_op(name: str, *args):
 
 def decode_layers(x: torch.Tensor, n: torch.Tensor, weights: list, group_sizes: list, biases: list, norms: list,
                   eps: list, caches: list, scales: list, windows: list, cos: torch.Tensor, nsin: torch.Tensor, pos: int,
-                  scratch: list, *, w4a8: bool = False, qk_norms: list = (), qk_scratch: list = ()) -> None:
+                  scratch: list, *, w4a8: bool = False, qk_norms: list = (), qk_scratch: list = (),
+                  skip: int = 0) -> None:
     """Every decoder layer of one decode step in one call, then the final norm into ``n``: the lean loop's native
     step op for op (edgeq/csrc/decode_step.cpp lists the arguments and the order; :mod:`edgeq.runtime.stack` builds
     them), with the W4A16 kernel's arguments of this process (its layout plan and ISA) and, for W4A8 layers
-    (``w4a8``), the W4A8 op's ISA; ``qk_norms``/``qk_scratch``: Qwen3's head norms (empty: none). Raises
-    :class:`EdgeqError`."""
+    (``w4a8``), the W4A8 op's ISA; ``qk_norms``/``qk_scratch``: Qwen3's head norms (empty: none). ``skip``: ops left
+    out, for benchmarks' ablations only (bit 0 attention, 1 norms + RoPE, 2 silu * up; the logits are then wrong).
+    Raises :class:`EdgeqError`."""
     from edgeq.runtime.native import w4a8 as native_w4a8  # noqa: PLC0415 (its library loads only for W4A8 models)
 
     block_n, full_mode, tails, isa = w4a16._ready_args(None, None)
     w4a8_isa = native_w4a8.isa_code() if w4a8 else -1
     _small_op("decode_layers", x, n, weights, group_sizes, biases, norms, eps, caches, scales, windows, cos, nsin, pos,
-              scratch, block_n, full_mode, tails, isa & 15, w4a8_isa, list(qk_norms), list(qk_scratch))
+              scratch, block_n, full_mode, tails, isa & 15, w4a8_isa, list(qk_norms), list(qk_scratch), skip)
     # one kernel call per matrix, as the Python step counts them
     (native_w4a8 if w4a8 else w4a16).count_calls(len(group_sizes))
