@@ -1,8 +1,9 @@
 """A decode step's layers in one native call (edgeq/runtime/stack.py, the op ``edgeq::decode_layers`` in
 edgeq/csrc/decode_step.cpp): the same logits, cache and counters as the Python native step, bit for bit (Llama with a
 tied head, Qwen2 with q/k/v biases, Qwen3 with q/k head norms, Mistral with a sliding window shorter than the
-context, a W4A8 Qwen2 through edgeq's W4A8 op); the models and states it does not take run the Python step and say why; a runtime switched to
-aten's op falls back; bad arguments raise EdgeqError before anything is written."""
+context, a W4A8 Qwen2 through edgeq's W4A8 op); the models and states it does not take run the Python step and say
+why; a runtime switched to aten's op falls back; bad arguments raise EdgeqError before anything is written; an
+act-order head reads each step's norm; the benchmarks' skip bits leave out what they name."""
 
 from __future__ import annotations
 

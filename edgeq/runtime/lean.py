@@ -19,12 +19,12 @@ runs: docs/runtime.md counts them).
 Decode ops (:func:`ops_choice`, ``settings.decode_ops``): by default edgeq's native ops around the projections
 (``edgeq.runtime.native``: ``decode_attn``, fp32 softmax over the cache read in place with one rounding, several
 times faster than torch's flash-attention CPU kernel for one query; ``add_rms_norm``; ``rope_to_cache``), close to
-the eager ops, not bit-equal (tests/test_lean.py bounds the logits), and for W4A16 models all the layers' ops in one
-native call (:mod:`edgeq.runtime.stack`, ``decode_layers``: the same bits); ``decode_ops="torch"`` keeps the eager ops and
-SDPA. With those every op repeats the transformers computation in the same order and dtype, so the logits are
-bit-identical to the transformers forward on the same cache (tests/test_lean.py), except on sliding-window layers
-past the window (SDPA over the window's slice instead of a masked full row: equal within bf16 rounding). Per layer,
-with x the bf16 residual [1, H]::
+the eager ops, not bit-equal (tests/test_lean.py bounds the logits), and where the modules allow all the layers' ops
+in one native call (:mod:`edgeq.runtime.stack`, ``decode_layers``: the same bits); ``decode_ops="torch"`` keeps the
+eager ops and SDPA. With those every op repeats the transformers computation in the same order and dtype, so the
+logits are bit-identical to the transformers forward on the same cache (tests/test_lean.py), except on
+sliding-window layers past the window (SDPA over the window's slice instead of a masked full row: equal within bf16
+rounding). Per layer, with x the bf16 residual [1, H]::
 
     n   = w_in * bf16(fp32(x) * rsqrt(mean(fp32(x)^2) + eps))        # RMSNorm, two roundings as transformers
     q, k, v = n @ Wq^T (+ bq), n @ Wk^T (+ bk), n @ Wv^T (+ bv)      # [heads*d], [kv_heads*d] each
@@ -210,8 +210,9 @@ class LeanDecoder:
 
     def _buffers(self, ops: str) -> None:
         """Allocate what ``ops`` needs that is not there yet. Native: the rotated q [h, d] (k goes straight into the
-        cache), the attention's output and, where it runs, the one-call step's buffers (:mod:`.stack`). Torch: the RMSNorm's buffers, q|k's RoPE terms and result. Both: q|k
-        when its head norm (Qwen3) or RoPE (torch) runs over it."""
+        cache), the attention's output and, where it runs, the one-call step's buffers (:mod:`.stack`). Torch: the
+        RMSNorm's buffers, q|k's RoPE terms and result. Both: q|k when its head norm (Qwen3) or RoPE (torch) runs
+        over it."""
         d, h, kvh, dt = self.head_dim, self.heads, self.kv_heads, self.dtype
         if self.qk is None and (ops == "torch" or self.family == "qwen3"):
             # q and k of one token side by side, so the head norm and RoPE run once over both: rows [:h] q, [h:] k.
