@@ -320,7 +320,7 @@ class LeanDecoder:
             self.stack(p)  # every layer and the final norm in one call: the loop below, op for op, in C++
             for L in self.layers:
                 L.cache_layer.length = end
-            return self._head(n)
+            return self.head.fn(n)
         cos, nsin, rot_q, out = self.cos_p, self.nsin_p, self._rot_qh, self.attn_out
         delta = None
         for L in self.layers:
@@ -337,14 +337,6 @@ class LeanDecoder:
             native.add_rms_norm(x, L.o.fn(self._attn_flat), L.w_post, L.eps_post_f, n)
             delta = L.down.fn(self._gated(L, n))
         native.add_rms_norm(x, delta, self.w_final, self.eps_final_f, n)
-        return self._head(n)
-
-    def _head(self, n: torch.Tensor) -> torch.Tensor:
-        """The head on the native ops' final norm. They write ``n`` through raw pointers, which torch's version
-        counter does not see, and an act-order head gathers its input keyed on that counter (Runtime.gather): bump
-        it, or the head would reuse the previous step's gather (tests/test_stack.py). Inside a layer no two gathers in
-        a row share a key with a write between them (q/k/v read one n; each module has its own permutation)."""
-        torch.autograd.graph.increment_version(n)
         return self.head.fn(n)
 
     @staticmethod

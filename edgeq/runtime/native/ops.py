@@ -26,6 +26,7 @@ def decode_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
     st = w4a16.state()
     isa_code = w4a16.isa_code(st, isa) if st.available else 0  # unavailable: _small_op raises with the reason
     _small_op("decode_attn", q, keys, values, start, end, scale, out, isa_code)
+    _written(out)
 
 
 def prefill_attn_available(isa: str | None = None) -> bool:
@@ -55,6 +56,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``x += delta`` (when given, bf16, in place), then ``out = weight * bf16(x * rsqrt(mean(x^2) + eps))`` per row:
     transformers' RMSNorm in one call (edgeq/csrc/decode_ops.cpp has the roundings). Raises :class:`EdgeqError`."""
     _small_op("add_rms_norm", x, delta, weight, eps, out)
+    _written(out)
 
 
 def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, nsin: torch.Tensor,
@@ -73,6 +75,14 @@ def argmax_finite(logits: torch.Tensor) -> int:
 
 
 _SMALL_OPS: dict = {}
+
+
+def _written(t: torch.Tensor) -> None:
+    """Bump ``t``'s version counter after an op wrote it: the ops write through raw pointers, which the counter does
+    not see, and an act-order projection reading ``t`` keys its cached input gather on it
+    (:meth:`edgeq.runtime.qlinear.Runtime.gather`; a stale key reused the previous step's gather, tests/test_stack.py).
+    Only the outputs a projection reads (a norm's output, the attention's) are bumped: 0.7 us each."""
+    torch.autograd.graph.increment_version(t)
 
 
 def _small_op(name: str, *args):
@@ -106,3 +116,4 @@ def decode_layers(x: torch.Tensor, n: torch.Tensor, weights: list, group_sizes: 
               scratch, block_n, full_mode, tails, isa & 15, w4a8_isa, list(qk_norms), list(qk_scratch), skip)
     # one kernel call per matrix, as the Python step counts them
     (native_w4a8 if w4a8 else w4a16).count_calls(len(group_sizes))
+    _written(n)
