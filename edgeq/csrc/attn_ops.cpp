@@ -129,7 +129,6 @@ void edgeq_core::decode_attn(const uint16_t* q, const uint16_t* keys, const uint
     }
   });
   // Merge the chunks of each query head h (kv head j = h / group, slot g = h % group of its tasks).
-  uint16_t* o = out;
   thread_local std::vector<float> acc;
   if (acc.size() < static_cast<size_t>(D)) acc.resize(D);
   for (int64_t h = 0; h < H; ++h) {
@@ -145,7 +144,7 @@ void edgeq_core::decode_attn(const uint16_t* q, const uint16_t* keys, const uint
       L += w * pc[1];
       for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 + d];
     }
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = edgeq_bf16::f32_to_bf16(acc[d] / L);
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = edgeq_bf16::f32_to_bf16(acc[d] / L);
   }
 }
 

@@ -316,7 +316,7 @@ class LeanDecoder:
         x, n = self.x, self.n
         h, d = self.heads, self.head_dim
         end = p + 1
-        if self._use_stack and self.stack is not None and self.stack.usable:
+        if self.native_layers and self.stack.usable:
             self.stack(p)  # every layer and the final norm in one call: the loop below, op for op, in C++
             for L in self.layers:
                 L.cache_layer.length = end

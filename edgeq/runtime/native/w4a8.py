@@ -67,13 +67,13 @@ _LIBRARY = build.Library(SPEC, globals())
 available, status, call_count, build_key = _LIBRARY.available, _LIBRARY.status, _LIBRARY.call_count, _LIBRARY.build_key
 
 
-def isa_code() -> int:
-    """The process's ISA code for ``w4a8_mm`` (the op's ``isa`` argument); raises :class:`EdgeqError` as
-    :func:`w4a8_mm` does when the kernel is unavailable."""
+def isa_code(isa: str | None = None) -> int:
+    """The op's ``isa`` argument: the process's choice, or ``isa`` (tests, benchmarks). Raises :class:`EdgeqError`
+    when the kernel is unavailable (its reason itself when it is the user's error, e.g. a bad ``EDGEQ_W4A8_ISA``)."""
     st = _state or _LIBRARY.load()
     if not st.available:
         raise EdgeqError(st.reason if st.user_error else f"native w4a8_mm is not available: {st.reason}")
-    return build.isa_code(SPEC, st, None, "w4a8_mm")
+    return build.isa_code(SPEC, st, isa, "w4a8_mm")
 
 
 def count_calls(n: int) -> None:
@@ -93,12 +93,7 @@ def w4a8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """bf16 [M, N] = W4A8(x [M, K] bf16/fp32) with the portable path's signature and bits; ``isa`` overrides the
     process's choice for one call (tests, benchmarks). Raises :class:`EdgeqError` when unavailable or on bad input."""
     global _calls
-    st = _state or _LIBRARY.load()
-    if not st.available:
-        if st.user_error:
-            raise EdgeqError(st.reason)
-        raise EdgeqError(f"native w4a8_mm is not available: {st.reason}")
-    code = build.isa_code(SPEC, st, isa, "w4a8_mm")
+    code = isa_code(isa)
     try:
         y = torch.ops.edgeq_w4a8.w4a8_mm.default(x, qweight, scales, zeros, group_size, bias, code)
     except RuntimeError as e:
