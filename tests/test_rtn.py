@@ -95,6 +95,31 @@ def test_weighted_search_never_worse_than_minmax(kind):
     assert float(search.weighted_error(w, search.codes(w, s, z), s, z, c).sum()) < 0.9 * float(ref.sum())
 
 
+@pytest.mark.parametrize("method", ["rtn", "clip", "minmax"])
+def test_row_blocks_and_uniform_weights_give_the_same_bits(method, monkeypatch):
+    """choose_params searches rows in blocks and skips the products by c = 1: both must be invisible. Reference:
+    one block of all rows, through the weighted code path with explicit ones (the implementation before the blocks).
+    Degenerate groups (constant, all zero) included; 37 rows so that the last block is a partial one."""
+    from edgeq.quantize import rtn as rtn_mod
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(37, 4, 32, generator=gen).pow(3)
+    w[0, 0] = 0.0
+    w[5, 2] = 0.75
+    ones = torch.ones_like(w)
+    cands = rtn_mod._clip_candidates(w, rtn_mod.CLIP_RATIOS if method != "minmax" else (1.0,))
+    if method == "rtn":
+        ref = search.lsq_search(w, ones, extra=tuple(cands[1:]))
+    else:
+        best = search.Best(w, ones, *cands[0])
+        for scale, zero in cands[1:]:
+            best.offer(scale, zero)
+        ref = (best.scale, best.zero)
+    monkeypatch.setattr(rtn_mod, "CHUNK_ELEMENTS", 5 * 4 * 32)  # blocks of 5 rows: 8 blocks, the last of 2
+    scale, zero = rtn_mod.choose_params(w, method)
+    assert torch.equal(scale, ref[0]) and torch.equal(zero, ref[1])
+    assert scale.shape == (37, 4, 1)
+
+
 def test_errors_name_the_tensor():
     w = torch.randn(16, 64)
     w[3, 5] = float("nan")
