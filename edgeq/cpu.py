@@ -57,3 +57,9 @@ def flags() -> frozenset[str]:
 def has_vnni() -> bool:
     """AVX512-VNNI or AMX-INT8: where ``torch._int_mm`` runs on integer dot-product units through oneDNN."""
     return bool({"avx512_vnni", "amx_int8"} & flags())
+
+
+def has_bf16_dot() -> bool:
+    """AVX512-BF16 or AMX-BF16: bf16 GEMMs run on bf16 dot-product units. Without them PyTorch's bf16 GEMMs convert
+    and are several times slower than fp32 ones (a 2048 x 2048 x 8192 linear on 2 Zen 3 cores: ~7x)."""
+    return bool({"avx512_bf16", "amx_bf16"} & flags())

@@ -515,6 +515,46 @@ def tiny_float(tmp_path_factory):
 GPTQ_ARGS = ("--method", "gptq", "--scheme", "w4a16-g32", "--nsamples", "3", "--seqlen", "48")
 
 
+@pytest.mark.parametrize("value,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_calib_dtype_reaches_the_sweep(tmp_path, capsys, tiny_float, monkeypatch, value, dtype):
+    """$EDGEQ_CALIB_DTYPE picks the sweep's compute dtype on any machine: the file holds exactly what the driver
+    yields in that dtype, the manifest says which; the two dtypes give different codes (so the check can fail)."""
+    from edgeq.convert.calibrate import calibration_windows, gptq_model
+    from edgeq.scheme import Scheme
+
+    src, calib = tiny_float
+    monkeypatch.setenv("EDGEQ_CALIB_DTYPE", value)
+    quantize_cli(src, tmp_path / "out", capsys, *GPTQ_ARGS, "--calib", str(calib))
+    man = json.loads((tmp_path / "out" / "edgeq_manifest.json").read_text())
+    assert man["gptq"]["compute_dtype"] == str(dtype).removeprefix("torch.")
+    windows = calibration_windows(src, calib.read_text(), 3, 48)
+    runs = {d: dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), compute_dtype=d))
+            for d in (torch.bfloat16, torch.float32)}
+    for m, r in runs[dtype].items():
+        q, sz, _, _ = read_module(tmp_path / "out", m, 32)
+        assert torch.equal(q, r.q) and torch.equal(sz, r.scales_and_zeros), m
+    assert any(not torch.equal(runs[torch.bfloat16][m].q, runs[torch.float32][m].q) for m in runs[dtype])
+
+
+def test_calib_dtype_auto_follows_the_cpu_and_bad_values_exit_2(tmp_path, capsys, tiny_float, monkeypatch):
+    import edgeq.convert.calibrated as conv
+    from edgeq import cpu
+
+    monkeypatch.delenv("EDGEQ_CALIB_DTYPE", raising=False)
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "fma"}))
+    assert conv.compute_dtype() == torch.float32
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert conv.compute_dtype() == torch.bfloat16
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"amx_tile", "amx_bf16"}))
+    assert conv.compute_dtype() == torch.bfloat16
+    src, calib = tiny_float
+    monkeypatch.setenv("EDGEQ_CALIB_DTYPE", "fp16")
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q", *GPTQ_ARGS, "--calib", str(calib)],
+                           capsys)
+    assert code == 2 and "$EDGEQ_CALIB_DTYPE='fp16': expected one of auto, bf16, fp32" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float, monkeypatch):
     """The written checkpoint holds exactly the driver's results (same windows), every module with its perm; and
     when the driver's order differs from the predicted one, early results are held and still land in place."""
@@ -530,12 +570,14 @@ def test_method_gptq_writes_what_the_driver_yields(tmp_path, capsys, tiny_float,
     g = man["gptq"]
     assert g["calibration"]["windows"] == 3 and g["calibration"]["seqlen"] == 48 and g["calibration"]["file"] == "calib.txt"
     assert g["act_order"] is True and g["damp"] == 0.01 and g["held_peak_bytes"] == 0 and g["group_params"] == "search"
+    dtype = conv.compute_dtype()  # this machine's: bf16 with bf16 dot products, else fp32
+    assert g["compute_dtype"] == str(dtype).removeprefix("torch.")
     assert sorted(g["relative_output_error"]) == sorted(BODY + ["lm_head"])
     assert sorted(man["perm_modules"]) == sorted(BODY + ["lm_head"])
     assert any("GPTQ calibration: 3 windows x 48 tokens of calib.txt, act_order=True" in n and
                "group parameters search" in n for n in report["notes"])
     windows = calibration_windows(src, calib.read_text(), 3, 48)
-    expected = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), act_order=True))
+    expected = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), act_order=True, compute_dtype=dtype))
     assert list(expected) == BODY + ["lm_head"]
     for m, r in expected.items():
         q, sz, _, perm = read_module(out, m, 32)
@@ -553,14 +595,16 @@ def test_gptq_params_reach_the_sweep_and_are_refused_elsewhere(tmp_path, capsys,
     """--gptq-params minmax: the checkpoint is the driver's min/max result (and differs from the default search);
     the option without --method gptq is one line, exit 2, nothing written."""
     from edgeq.convert.calibrate import calibration_windows, gptq_model
+    from edgeq.convert.calibrated import compute_dtype
     from edgeq.scheme import Scheme
 
     src, calib = tiny_float
     quantize_cli(src, tmp_path / "mm", capsys, *GPTQ_ARGS, "--calib", str(calib), "--gptq-params", "minmax")
     assert json.loads((tmp_path / "mm" / "edgeq_manifest.json").read_text())["gptq"]["group_params"] == "minmax"
     windows = calibration_windows(src, calib.read_text(), 3, 48)
-    minmax = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), group_params="minmax"))
-    searched = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32")))
+    dtype = compute_dtype()  # the CLI's, this machine's
+    minmax = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), group_params="minmax", compute_dtype=dtype))
+    searched = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), compute_dtype=dtype))
     for m in BODY[:3]:
         q, sz, _, _ = read_module(tmp_path / "mm", m, 32)
         assert torch.equal(q, minmax[m].q) and torch.equal(sz, minmax[m].scales_and_zeros), m

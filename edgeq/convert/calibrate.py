@@ -5,7 +5,8 @@ For a Hugging Face causal LM directory (Llama, Mistral, Qwen2, Qwen3 families), 
 decoder layer, in execution order, then for the head (``head_module``: the recipe's, ``lm_head`` by default):
 
 1. The model skeleton is built from its transformers class on the meta device (no weights). The embedding rows the
-   windows use are read (in row blocks) into the hidden states ``h [S, T, D]`` (compute dtype, bf16 by default).
+   windows use are read (in row blocks) into the hidden states ``h [S, T, D]`` (compute dtype: bf16 by default here;
+   `edgeq quantize` passes `calibrated.compute_dtype()`, fp32 on CPUs without bf16 dot products).
 2. For each decoder layer: its weights are read from the safetensors files into a materialised copy of that layer.
    A discovery pass on one batch finds the order in which its Linears run and which of them read the same input
    tensor (q/k/v, gate/up): each such group shares one Hessian. Group by group, in order ("true sequential"), a

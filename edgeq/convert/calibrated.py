@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from edgeq import cpu, env
 from edgeq.convert import selfcal, w4a16
 from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, calibration_windows, gptq_model
 from edgeq.convert.embeddings import write_levels
@@ -71,6 +72,7 @@ class GPTQOptions:
         return None if self.calib == selfcal.SELF else Path(self.calib)
 
     def check(self) -> None:
+        compute_dtype()  # a bad $EDGEQ_CALIB_DTYPE fails before anything is read or written
         if (self.nsamples is not None and self.nsamples < 1) or self.seqlen < 2:
             raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
         if self.group_params not in GROUP_PARAMS:
@@ -209,6 +211,16 @@ class _Layers:
         return f"layer {min(self.done + 1, self.total)}/{self.total}{eta}: {what}"
 
 
+def compute_dtype() -> torch.dtype:
+    """The GPTQ sweep's compute dtype (activations, forward passes; Hessians and the solve are fp32 either way):
+    ``$EDGEQ_CALIB_DTYPE`` bf16 | fp32, or auto: bf16 where the CPU has bf16 dot products (AVX512-BF16, AMX), else
+    fp32, where bf16 GEMMs are emulated and slower (docs/gptq.md, "Compute dtype")."""
+    picked, _ = env.choice(None, "calib_dtype", env.CALIB_DTYPE, ("auto", "bf16", "fp32"))
+    if picked == "auto":
+        picked = "bf16" if cpu.has_bf16_dot() else "fp32"
+    return torch.bfloat16 if picked == "bf16" else torch.float32
+
+
 def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: TinygemmLayout, writer: ShardedWriter,
                 progress: Progress, windows: torch.Tensor) -> dict:
     """Copies first, then every quantised module as the layer-streamed GPTQ driver yields it (the plan's head
@@ -224,9 +236,10 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
     sink = InOrder(writer, [e.module for e in quantized])
     layers = _Layers(progress)
     keep = frozenset(e.module for e in plan.entries if e.action == Action.KEEP)
+    dtype = compute_dtype()
     results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
                          block_size=opts.block_size, group_params=opts.group_params, keep=keep, head_source=plan.head.source,
-                         head_module=plan.head_module, group_sizes=group_sizes(plan), progress=layers)
+                         head_module=plan.head_module, group_sizes=group_sizes(plan), compute_dtype=dtype, progress=layers)
     errors, rel_out, damp_used, anon_peak = {}, {}, {}, 0
     try:
         for name, r in results:
@@ -251,6 +264,7 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
         embeddings = write_levels(ckpt, plan, e, record, writer, progress)
         anon_peak = max(anon_peak, rss()[0])
     details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
+               "compute_dtype": str(dtype).removeprefix("torch."),
                "group_params": opts.group_params,
                "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
     return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}
