@@ -20,6 +20,7 @@
 #include "attn_prefill.h"
 #include "bf16.h"
 #include "decode_core.h"
+#include "tensor_bits.h"
 
 namespace {
 
@@ -45,11 +46,11 @@ void decode_attn(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
               "out: expected contiguous bf16 ", q.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
   TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (amx)");
-  edgeq_core::decode_attn(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                          reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
-                          reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), H, KVH, D, keys.size(2),
+  edgeq_core::decode_attn(edgeq_bits::in(q),
+                          edgeq_bits::in(keys),
+                          edgeq_bits::in(values), H, KVH, D, keys.size(2),
                           start, end, static_cast<float>(scale),
-                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), isa);
+                          edgeq_bits::mut(out), isa);
 }
 
 void check_rows(const at::Tensor& t, const char* what, int64_t KVH, int64_t D) {
@@ -77,10 +78,10 @@ at::Tensor prefill_attn(const at::Tensor& q, const at::Tensor& keys, const at::T
   at::Tensor out = at::empty({S, H, D}, q.options());
   const int64_t G = H / KVH;
   at::Tensor kp = at::empty({edgeq_attn::prefill_packed_bytes(KVH, T, D)}, at::TensorOptions().dtype(at::kByte));
-  edgeq_attn::PrefillArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                            reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
-                            reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
-                            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+  edgeq_attn::PrefillArgs a{edgeq_bits::in(q),
+                            edgeq_bits::in(keys),
+                            edgeq_bits::in(values),
+                            edgeq_bits::mut(out),
                             H, KVH, S, D, T - S, keys.stride(1), keys.stride(2), static_cast<float>(scale),
                             kp.data_ptr<uint8_t>()};
   void* kpw = kp.data_ptr<uint8_t>();

@@ -24,14 +24,15 @@
 
 #include "bf16.h"
 #include "decode_core.h"
+#include "tensor_bits.h"
 
 namespace {
 
 using edgeq_bf16::bf16_to_f32;
 using edgeq_bf16::f32_to_bf16;
 
-inline const uint16_t* cp(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-inline uint16_t* mp(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+using edgeq_bits::in;
+using edgeq_bits::mut;
 
 void check_bf16(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), what, ": expected contiguous bf16, got ",
@@ -49,9 +50,9 @@ void add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& delta, c
   if (delta.has_value()) {
     check_bf16(*delta, "delta");
     TORCH_CHECK(delta->sizes() == x.sizes(), "delta ", delta->sizes(), " vs x ", x.sizes());
-    ds = cp(*delta);
+    ds = in(*delta);
   }
-  edgeq_core::add_rms_norm(mp(x), ds, cp(weight), x.size(0), x.size(1), static_cast<float>(eps), mp(out));
+  edgeq_core::add_rms_norm(mut(x), ds, in(weight), x.size(0), x.size(1), static_cast<float>(eps), mut(out));
 }
 
 // rot[i] = r(t)[i] for one head row t of D values.
@@ -78,8 +79,8 @@ void rope_to_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "keys/values: expected [1, ", Hk, ", CAP, ", D, "], got ", keys.sizes(), " and ", values.sizes());
   const int64_t cap = keys.size(2);
   TORCH_CHECK(0 <= pos && pos < cap, "pos ", pos, " outside the cache of ", cap, " positions");
-  edgeq_core::rope_to_cache(cp(q), cp(k), cp(v), cp(cos), cp(nsin), Hq, Hk, D, mp(keys), mp(values), cap, pos,
-                            mp(rot_q));
+  edgeq_core::rope_to_cache(in(q), in(k), in(v), in(cos), in(nsin), Hq, Hk, D, mut(keys), mut(values), cap, pos,
+                            mut(rot_q));
 }
 
 template <typename T, typename ToFloat, typename Bad>
@@ -105,7 +106,7 @@ int64_t argmax_finite(const at::Tensor& logits) {
               logits.sizes());
   const int64_t n = logits.numel();
   if (logits.scalar_type() == at::kBFloat16)
-    return argmax_finite_impl(cp(logits), n, [](uint16_t u) { return bf16_to_f32(u); },
+    return argmax_finite_impl(in(logits), n, [](uint16_t u) { return bf16_to_f32(u); },
                               [](uint16_t u) { return static_cast<int>((u & 0x7F80u) == 0x7F80u); });
   return argmax_finite_impl(logits.data_ptr<float>(), n, [](float f) { return f; }, [](float f) {
     uint32_t u;

@@ -40,12 +40,13 @@
 #include <vector>
 
 #include "decode_core.h"
+#include "tensor_bits.h"
 
 namespace {
 
 constexpr int64_t kWeights = 14, kMats = 7;
 
-inline uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+using edgeq_bits::mut;
 
 // layer < 0: a tensor of the step, not of one layer.
 void check_bf16(const at::Tensor& t, int64_t numel, const char* what, int64_t layer = -1) {
@@ -69,7 +70,7 @@ edgeq_core::Matrix matrix(at::TensorList w, at::IntArrayRef groups, const c10::L
   check_bf16(sz, (K / G) * N * 2, "scales_and_zeros", l);
   const std::optional<at::Tensor> b = biases.get(l * kMats + i);
   if (b.has_value()) check_bf16(*b, N, "bias", l);
-  return {qw.data_ptr<uint8_t>(), bits(sz), b.has_value() ? bits(*b) : nullptr, bits(out), N, G};
+  return {qw.data_ptr<uint8_t>(), mut(sz), b.has_value() ? mut(*b) : nullptr, mut(out), N, G};
 }
 
 // Matrix i of W4A8 layer l reading K inputs into N outputs: the w4a8_mm op's argument checks, made before the step
@@ -221,12 +222,12 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
   if (qk) check_qk(qk_norms, qk_scratch, L, Hq, KVH, D);
   const at::Tensor attn_row = attn.view({1, Hq * D});  // the o projection's input
   const int64_t end = pos + 1;
-  uint16_t *xs = bits(x), *ns = bits(n);
+  uint16_t *xs = mut(x), *ns = mut(n);
   const uint16_t* delta = nullptr;
   at::Tensor yd;  // a W4A8 layer's down output: delta until the next layer's norm has read it
   for (int64_t l = 0; l < L; ++l) {
     const edgeq_core::Matrix* m = w8 ? nullptr : mats.data() + l * kMats;
-    if (norms_rope) edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * l]), 1, C, static_cast<float>(eps[2 * l]), ns);
+    if (norms_rope) edgeq_core::add_rms_norm(xs, delta, mut(norms[2 * l]), 1, C, static_cast<float>(eps[2 * l]), ns);
     at::Tensor yq = q, yk = k, yv = v;
     if (w8) {
       yq = w4a8(n, weights, group_sizes, biases, l, 0, w4a8_isa);
@@ -237,25 +238,25 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
     }
     if (qk && norms_rope) {  // Qwen3: the head norms run on [q; k] copied into one buffer, then RoPE reads q and k from it
       const at::Tensor& qkb = qk_scratch[0];
-      std::memcpy(bits(qkb), bits(yq), Hq * D * 2);
-      std::memcpy(bits(qkb) + Hq * D, bits(yk), KVH * D * 2);
+      std::memcpy(mut(qkb), mut(yq), Hq * D * 2);
+      std::memcpy(mut(qkb) + Hq * D, mut(yk), KVH * D * 2);
       qk_norm(qk_scratch, qk_norms[3 * l], qk_norms[3 * l + 1], qk_norms[3 * l + 2], Hq);
       yq = qkb.narrow(0, 0, Hq);
       yk = qkb.narrow(0, Hq, KVH);
     }
-    uint16_t *keys = bits(caches[2 * l]), *values = bits(caches[2 * l + 1]);
+    uint16_t *keys = mut(caches[2 * l]), *values = mut(caches[2 * l + 1]);
     if (norms_rope)
-      edgeq_core::rope_to_cache(bits(yq), bits(yk), bits(yv), bits(cos), bits(nsin), Hq, KVH, D, keys, values, cap,
-                                pos, bits(rot_q));
+      edgeq_core::rope_to_cache(mut(yq), mut(yk), mut(yv), mut(cos), mut(nsin), Hq, KVH, D, keys, values, cap,
+                                pos, mut(rot_q));
     const int64_t start = windows[l] > 0 && end > windows[l] ? end - windows[l] : 0;
     if (attention)
-      edgeq_core::decode_attn(bits(rot_q), keys, values, Hq, KVH, D, cap, start, end, static_cast<float>(scales[l]),
-                              bits(attn), isa);
+      edgeq_core::decode_attn(mut(rot_q), keys, values, Hq, KVH, D, cap, start, end, static_cast<float>(scales[l]),
+                              mut(attn), isa);
     at::Tensor yo = o;
     if (w8) yo = w4a8(attn_row, weights, group_sizes, biases, l, 3, w4a8_isa);
-    else edgeq_core::int4_multi(bits(attn), 1, Hq * D, m + 3, 1, block_n, full_mode, tail_modes, isa);
+    else edgeq_core::int4_multi(mut(attn), 1, Hq * D, m + 3, 1, block_n, full_mode, tail_modes, isa);
     if (norms_rope)
-      edgeq_core::add_rms_norm(xs, bits(yo), bits(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
+      edgeq_core::add_rms_norm(xs, mut(yo), mut(norms[2 * l + 1]), 1, C, static_cast<float>(eps[2 * l + 1]), ns);
     at::Tensor g = scratch[6], u = scratch[7];
     if (w8) {
       g = w4a8(n, weights, group_sizes, biases, l, 4, w4a8_isa);
@@ -269,13 +270,13 @@ void decode_layers(const at::Tensor& x, const at::Tensor& n, at::TensorList weig
     }
     if (w8) {
       yd = w4a8(g, weights, group_sizes, biases, l, 6, w4a8_isa);
-      delta = bits(yd);
+      delta = mut(yd);
     } else {
-      edgeq_core::int4_multi(bits(g), 1, g.numel(), m + 6, 1, block_n, full_mode, tail_modes, isa);
-      delta = bits(down);
+      edgeq_core::int4_multi(mut(g), 1, g.numel(), m + 6, 1, block_n, full_mode, tail_modes, isa);
+      delta = mut(down);
     }
   }
-  if (norms_rope) edgeq_core::add_rms_norm(xs, delta, bits(norms[2 * L]), 1, C, static_cast<float>(eps[2 * L]), ns);
+  if (norms_rope) edgeq_core::add_rms_norm(xs, delta, mut(norms[2 * L]), 1, C, static_cast<float>(eps[2 * L]), ns);
 }
 
 }  // namespace

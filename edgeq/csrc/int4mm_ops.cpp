@@ -19,13 +19,14 @@
 #include <vector>
 
 #include "decode_core.h"
+#include "tensor_bits.h"
 #include "int4mm.h"
 
 namespace {
 
 using edgeq::Int4Args;
 
-inline uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+using edgeq_bits::mut;
 
 int64_t cpu_features() {
   // bit 0: avx2+fma, bit 1: the AVX512 path's set (F, BW, VL, VBMI, BF16), bit 2: that set + AMX-TILE/BF16 with the
@@ -153,7 +154,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
   // reads xf; so do all blocks of the other paths.
   const bool need_xf = !(amx_large || wide) || N % block_n != 0 || full_mode != 0;
   std::vector<float> xf(need_xf ? M * K : 0), xt(wide ? M * K : 0), xs(M * ng);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* xb = edgeq_bits::in(xc);
   const int64_t rows = wide ? edgeq::kWideTile : 16;  // a task's rows: whole tiles, so no two tasks share one
   at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -176,8 +177,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
              xf.data(),
              xs.data(),
              qweight.data_ptr<uint8_t>(),
-             reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr<at::BFloat16>()),
-             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+             edgeq_bits::in(scales_and_zeros),
+             mut(y),
              M, N, K, group_size};
   a.f32_prefill = isa == 2 && M > 8 && (tiles == 1 || tiles == 2 ? tiles : prefill_choice()) == 2;
   if (wide) a.xt = xt.data();
@@ -216,11 +217,11 @@ std::vector<at::Tensor> int4_mm_multi(const at::Tensor& x, at::TensorList qweigh
       bias[i] = b->contiguous();
     }
     ys.push_back(at::empty({M, N}, x.options()));
-    mats.push_back({qweights[i].data_ptr<uint8_t>(), bits(scales[i]), bias[i].defined() ? bits(bias[i]) : nullptr,
-                    bits(ys[i]), N, group_sizes[i]});
+    mats.push_back({qweights[i].data_ptr<uint8_t>(), mut(scales[i]), bias[i].defined() ? mut(bias[i]) : nullptr,
+                    mut(ys[i]), N, group_sizes[i]});
   }
   const at::Tensor xc = x.contiguous();
-  edgeq_core::int4_multi(bits(xc), M, K, mats.data(), n, block_n, full_mode, tail_modes, isa);
+  edgeq_core::int4_multi(mut(xc), M, K, mats.data(), n, block_n, full_mode, tail_modes, isa);
   return ys;
 }
 

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "tensor_bits.h"
 #include "w4a8mm.h"
 
 namespace {
@@ -83,7 +84,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   at::Tensor au8 = at::empty({M, K}, x.options().dtype(at::kByte));
   at::Tensor sa = at::empty({M}, x.options().dtype(at::kFloat));
   const bool f32 = x.scalar_type() == at::kFloat;
-  const uint16_t* xb = f32 ? nullptr : reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* xb = f32 ? nullptr : edgeq_bits::in(xc);
   const float* xf = f32 ? xc.data_ptr<float>() : nullptr;
   uint8_t* au = au8.data_ptr<uint8_t>();
   float* sap = sa.data_ptr<float>();
@@ -96,7 +97,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   else quant(0, M);
 
   Args a{au, sap, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<int8_t>(), bptr,
-         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K, bk};
+         edgeq_bits::mut(y), M, N, K, bk};
   if (isa >= 1 && M <= edgeq_w4a8::kDecodeMaxRows) {  // decode: a stack buffer, nothing allocated per call
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
       alignas(64) uint8_t scratch[edgeq_w4a8::kDecodeScratchBytes];

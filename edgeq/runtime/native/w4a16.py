@@ -55,7 +55,7 @@ SPEC = build.Spec(
              "attn_ops.cpp", "attn_decode_scalar.cpp", "attn_decode_avx2.cpp", "attn_decode_avx512.cpp",
              "attn_prefill_avx512.cpp", "attn_prefill_avx2.cpp", "decode_ops.cpp", "decode_step.cpp"),
     headers=("int4mm.h", "int4mm_pairs.h", "amx_os.h", "bf16.h", "attn_decode.h", "attn_decode_body.h",
-             "attn_decode_tail.h", "attn_simd512.h", "attn_simd256.h", "attn_prefill.h", "decode_core.h"),
+             "attn_decode_tail.h", "attn_simd512.h", "attn_simd256.h", "attn_prefill.h", "decode_core.h", "tensor_bits.h"),
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP (torch's own runtime).
     cflags=("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
     ldflags=("-fopenmp",),

@@ -34,7 +34,7 @@ SPEC = build.Spec(
     prefix="edgeq_w4a8",
     subdir="native_w4a8",
     sources=("w4a8mm_ops.cpp", "w4a8mm_scalar.cpp", "w4a8mm_avx2.cpp", "w4a8mm_vnni.cpp", "w4a8mm_amx.cpp"),
-    headers=("w4a8mm.h", "w4a8mm_avx512.h", "amx_os.h", "bf16.h"),
+    headers=("w4a8mm.h", "w4a8mm_avx512.h", "amx_os.h", "bf16.h", "tensor_bits.h"),
     # -ffp-contract=off: no multiply-add is fused unless written as one (the kernel's rounding is part of its contract).
     # -fopenmp: at::parallel_for is header code that is only parallel when compiled with OpenMP.
     cflags=("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unused-function"),
