@@ -12,7 +12,7 @@ Every ``EDGEQ_*`` variable edgeq reads (the constants below name them), its defa
 - ``EDGEQ_STRICT_LAYOUT`` (off): ``1`` refuses weights packed for another machine's layout (vLLM plugin).
 - ``EDGEQ_PREFILL_THRESHOLD`` (measured): the W4A16 prefill crossover M (vLLM plugin).
 - ``EDGEQ_CALIB_DTYPE`` (auto: bf16 where the CPU has bf16 dot products, else fp32): the GPTQ sweep's compute dtype,
-  bf16|fp32 (convert/calibrated, through :func:`choice`).
+  bf16|fp32; a named one also casts ``--calib self``'s sampling model (convert/calibrated, through :func:`choice`).
 - ``EDGEQ_BENCH_LLAMA_REPACK`` (1): ``0`` runs the llama.cpp arm without repacked weights (bench worker).
 
 Every variable is read when it is needed, never cached at import: tests and ``bench --vs-env`` set them per call.

@@ -167,3 +167,21 @@ def test_calib_seed_picks_other_windows_and_is_recorded(tmp_path, capsys):
         cals[seed] = read_manifest(out).extra["gptq"]["calibration"]
     assert (cals[0]["seed"], cals[5]["seed"]) == (0, 5)
     assert cals[0]["ids_sha256"] != cals[5]["ids_sha256"] and cals[0]["tokens"] == cals[5]["tokens"] == 32
+
+
+def test_sampling_dtype_follows_calib_dtype_only_when_named(tmp_path, capsys, monkeypatch):
+    """auto samples over the mapped bf16 weights (no copy); $EDGEQ_CALIB_DTYPE=fp32 casts them (a copy, recorded) and
+    still draws from the model's distribution; the manifest records both dtypes."""
+    w, rec = selfcal.sample_windows(FIXTURE, 3, 16, seed=0)
+    assert rec["dtype"] == "bfloat16" and rec["cast_bytes"] == 0
+    w32, rec32 = selfcal.sample_windows(FIXTURE, 3, 16, seed=0, dtype=torch.float32)
+    assert rec32["dtype"] == "float32" and rec32["cast_bytes"] >= 4 * 4_000_000  # ~4.2M parameters, 4 bytes each
+    assert _reference_draw_check(w32, 0) > 0.95
+    monkeypatch.setenv("EDGEQ_CALIB_DTYPE", "fp32")
+    out = tmp_path / "o"
+    code, _, err = run_cli(["quantize", FIXTURE, "-o", out, "--method", "gptq", "--calib", "self", "--nsamples", "2",
+                            "--seqlen", "16", "-q"], capsys)
+    assert code == 0, err
+    g = json.loads((out / "edgeq_manifest.json").read_text())["gptq"]
+    assert g["compute_dtype"] == "float32" and g["calibration"]["dtype"] == "float32"
+    assert g["calibration"]["cast_bytes"] == rec32["cast_bytes"]

@@ -118,7 +118,7 @@ def calibration(ckpt: Checkpoint, plan: Plan) -> tuple[torch.Tensor, dict]:
         n = opts.nsamples or selfcal.default_nsamples(k_max, opts.seqlen)
         say(f"--calib self: sampling {n} x {opts.seqlen} calibration tokens from the model (seed {opts.seed})")
         t0 = time.perf_counter()
-        windows, record = selfcal.sample_windows(ckpt.root, n, opts.seqlen, opts.seed)
+        windows, record = selfcal.sample_windows(ckpt.root, n, opts.seqlen, opts.seed, dtype=sampling_dtype())
         say(f"--calib self: sampled in {time.perf_counter() - t0:.0f}s")
         return windows, {**record, "nsamples_asked": opts.nsamples, "widest_input": k_max}
     path = opts.calib_file
@@ -211,14 +211,27 @@ class _Layers:
         return f"layer {min(self.done + 1, self.total)}/{self.total}{eta}: {what}"
 
 
+def _calib_dtype() -> str:
+    """``$EDGEQ_CALIB_DTYPE``: auto | bf16 | fp32 (an :class:`EdgeqError` naming the variable otherwise)."""
+    return env.choice(None, "calib_dtype", env.CALIB_DTYPE, ("auto", "bf16", "fp32"))[0]
+
+
 def compute_dtype() -> torch.dtype:
     """The GPTQ sweep's compute dtype (activations, forward passes; Hessians and the solve are fp32 either way):
     ``$EDGEQ_CALIB_DTYPE`` bf16 | fp32, or auto: bf16 where the CPU has bf16 dot products (AVX512-BF16, AMX), else
     fp32, where bf16 GEMMs are emulated and slower (docs/gptq.md, "Compute dtype")."""
-    picked, _ = env.choice(None, "calib_dtype", env.CALIB_DTYPE, ("auto", "bf16", "fp32"))
+    picked = _calib_dtype()
     if picked == "auto":
         picked = "bf16" if cpu.has_bf16_dot() else "fp32"
     return torch.bfloat16 if picked == "bf16" else torch.float32
+
+
+def sampling_dtype() -> torch.dtype | None:
+    """``--calib self``'s compute dtype: None (auto: the stored dtype, the weights mapped, no copy) unless
+    ``$EDGEQ_CALIB_DTYPE`` names one; then weights stored in another dtype are cast, a copy of the model (fp32 on a
+    CPU without bf16 dot products: faster sampling for twice the memory; docs/gptq.md, "Compute dtype")."""
+    picked = _calib_dtype()
+    return None if picked == "auto" else torch.bfloat16 if picked == "bf16" else torch.float32
 
 
 def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: TinygemmLayout, writer: ShardedWriter,

@@ -85,8 +85,9 @@ def start_and_suppressed(config, root: Path) -> tuple[int, list[int]]:
     return int(start), sorted(set(e for e in eos if 0 <= e < config.vocab_size))
 
 
-def _mapped_model(root: Path):
-    """The float model over its mapped weights: (model, config, dtype, bytes copied by casts)."""
+def _mapped_model(root: Path, want: torch.dtype | None = None):
+    """The float model over its mapped weights: (model, config, dtype, bytes copied by casts). ``want``: the compute
+    dtype (weights stored in another dtype are cast: a copy); None: the stored dtype (bf16 if mixed)."""
     from edgeq.io import skeleton  # noqa: PLC0415 (transformers: only when sampling)
     from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
 
@@ -94,6 +95,7 @@ def _mapped_model(root: Path):
     files = MappedFiles(root)
     stored = {files.tensors[n].torch_dtype for n in files.names() if files.tensors[n].torch_dtype.is_floating_point}
     dtype = stored.pop() if len(stored) == 1 and stored <= {torch.bfloat16, torch.float32} else torch.bfloat16
+    dtype = want or dtype
     model = skeleton.build_meta_model(config, dtype)
     stats = skeleton.attach(model, files, dtype, set(), tie_head=bool(getattr(config, "tie_word_embeddings", False)))
     return model, config, dtype, stats["copied"]
@@ -113,14 +115,15 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_windows(model_dir: str | Path, nsamples: int = NSAMPLES, seqlen: int = SEQLEN, seed: int = SEED,
-                   temperature: float = TEMPERATURE, progress: Progress | None = None) -> tuple[torch.Tensor, dict]:
+                   temperature: float = TEMPERATURE, progress: Progress | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
     """``nsamples`` sequences of ``seqlen`` ids sampled from the float model in ``model_dir`` (module docstring):
-    (int64 [nsamples, seqlen], the record for the manifest)."""
+    (int64 [nsamples, seqlen], the record for the manifest). ``dtype``: compute in it (None: the stored dtype)."""
     root = Path(model_dir)
     if nsamples < 1 or seqlen < 2 or not temperature > 0:
         raise EdgeqError(f"--calib self: nsamples={nsamples}, seqlen={seqlen}, temperature={temperature}; "
                          "need >= 1, >= 2 and > 0")
-    model, config, dtype, copied = _mapped_model(root)
+    model, config, dtype, copied = _mapped_model(root, dtype)
     start, suppressed = start_and_suppressed(config, root)
     rows = rows_per_batch(config, seqlen)
     u = torch.rand(nsamples, seqlen, generator=torch.Generator(device="cpu").manual_seed(seed), dtype=torch.float64)
