@@ -211,9 +211,12 @@ class _Layers:
         return f"layer {min(self.done + 1, self.total)}/{self.total}{eta}: {what}"
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def _calib_dtype() -> str:
     """``$EDGEQ_CALIB_DTYPE``: auto | bf16 | fp32 (an :class:`EdgeqError` naming the variable otherwise)."""
-    return env.choice(None, "calib_dtype", env.CALIB_DTYPE, ("auto", "bf16", "fp32"))[0]
+    return env.choice(None, "calib_dtype", env.CALIB_DTYPE, ("auto", *_DTYPES))[0]
 
 
 def compute_dtype() -> torch.dtype:
@@ -223,15 +226,14 @@ def compute_dtype() -> torch.dtype:
     picked = _calib_dtype()
     if picked == "auto":
         picked = "bf16" if cpu.has_bf16_dot() else "fp32"
-    return torch.bfloat16 if picked == "bf16" else torch.float32
+    return _DTYPES[picked]
 
 
 def sampling_dtype() -> torch.dtype | None:
     """``--calib self``'s compute dtype: None (auto: the stored dtype, the weights mapped, no copy) unless
     ``$EDGEQ_CALIB_DTYPE`` names one; then weights stored in another dtype are cast, a copy of the model (fp32 on a
     CPU without bf16 dot products: faster sampling for twice the memory; docs/gptq.md, "Compute dtype")."""
-    picked = _calib_dtype()
-    return None if picked == "auto" else torch.bfloat16 if picked == "bf16" else torch.float32
+    return _DTYPES.get(_calib_dtype())  # auto: None
 
 
 def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: TinygemmLayout, writer: ShardedWriter,
