@@ -61,5 +61,5 @@ def has_vnni() -> bool:
 
 def has_bf16_dot() -> bool:
     """AVX512-BF16 or AMX-BF16: bf16 GEMMs run on bf16 dot-product units. Without them PyTorch's bf16 GEMMs convert
-    and are several times slower than fp32 ones (a 2048 x 2048 x 8192 linear on 2 Zen 3 cores: ~7x)."""
+    and are slower than fp32 ones (the GPTQ sweep in bf16 took 1.7x its fp32 time on Zen 3: docs/gptq.md)."""
     return bool({"avx512_bf16", "amx_bf16"} & flags())
