@@ -95,10 +95,42 @@ def test_weighted_search_never_worse_than_minmax(kind):
     assert float(search.weighted_error(w, search.codes(w, s, z), s, z, c).sum()) < 0.9 * float(ref.sum())
 
 
+def _reference_lsq_search(w, c, extra=()):
+    """search.lsq_search written with the out-of-place primitives (Best, lsq_fit, codes): what it must equal bit for
+    bit."""
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    best = search.Best(w, c, *search.minmax_params(lo, hi))
+    for scale, zero in extra:
+        best.offer(scale, zero)
+    span = (hi - lo).clamp_min(2.0**-24)
+    for d in search.STEP_OFFSETS:
+        best.offer(*search.lsq_fit(w, torch.round((w - lo) * ((15.0 + d) / span)).clamp_(0.0, 15.0), c))
+    for _ in range(search.REFINE_ROUNDS):
+        best.offer(*search.lsq_fit(w, search.codes(w, best.scale, best.zero), c))
+    return best.scale, best.zero
+
+
+@pytest.mark.parametrize("kind", ["uniform", "rms_abs"])
+def test_in_place_search_equals_the_primitives(kind):
+    """The in-place search (search._Work) against the same candidates through the out-of-place primitives, with
+    real (non-unit) weights too; heavy-tailed values and degenerate groups so that many candidates compete."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 6, 32, generator=gen).pow(3)
+    w[1, 1] = 0.0
+    w[2, 3] = -0.5
+    c = search.importance(w, kind)
+    got = search.lsq_search(w, c)
+    ref = _reference_lsq_search(w, c)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    none = search.lsq_search(w, None)
+    assert (kind == "uniform") == (torch.equal(none[0], got[0]) and torch.equal(none[1], got[1]))
+
+
 @pytest.mark.parametrize("method", ["rtn", "clip", "minmax"])
 def test_row_blocks_and_uniform_weights_give_the_same_bits(method, monkeypatch):
-    """choose_params searches rows in blocks and skips the products by c = 1: both must be invisible. Reference:
-    one block of all rows, through the weighted code path with explicit ones (the implementation before the blocks).
+    """choose_params searches rows in blocks, skips the products by c = 1 and computes in place: all must be
+    invisible. Reference: one block of all rows, through the weighted code path with explicit ones, composed of the
+    plain primitives (the implementation before the blocks and the in-place search).
     Degenerate groups (constant, all zero) included; 37 rows so that the last block is a partial one."""
     from edgeq.quantize import rtn as rtn_mod
     gen = torch.Generator().manual_seed(11)
@@ -108,7 +140,7 @@ def test_row_blocks_and_uniform_weights_give_the_same_bits(method, monkeypatch):
     ones = torch.ones_like(w)
     cands = rtn_mod._clip_candidates(w, rtn_mod.CLIP_RATIOS if method != "minmax" else (1.0,))
     if method == "rtn":
-        ref = search.lsq_search(w, ones, extra=tuple(cands[1:]))
+        ref = _reference_lsq_search(w, ones, extra=tuple(cands[1:]))
     else:
         best = search.Best(w, ones, *cands[0])
         for scale, zero in cands[1:]:

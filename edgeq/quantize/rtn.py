@@ -98,7 +98,8 @@ def choose_params(wf: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Te
 
     Rows are searched in blocks of about CHUNK_ELEMENTS values: each group's choice depends on its own values only,
     so the blocks give the same bits as one pass, and a block's ~40 candidate passes stay in the core's cache
-    (a 2048 x 8192 weight at g128 on 2 Zen 3 cores: 1.9 s in blocks, 15.5 s in one pass; benchmarks/bench_search.py).
+    (a 2048 x 8192 weight at g128 on 2 Zen 3 cores, with the in-place search: 1.4 s in blocks, 2.6 s in one pass;
+    benchmarks/bench_search.py).
     """
     rows = max(1, CHUNK_ELEMENTS // max(1, wf.shape[1] * wf.shape[2]))
     if wf.shape[0] <= rows:

@@ -80,6 +80,11 @@ def lsq_fit(w: torch.Tensor, q: torch.Tensor, c: torch.Tensor | None) -> tuple[t
     s_ll = (cl * L).sum(-1, keepdim=True)
     s_w = (w if c is None else c * w).sum(-1, keepdim=True)
     s_lw = (cl * w).sum(-1, keepdim=True)
+    return _closed_form(s_c, s_l, s_ll, s_w, s_lw)
+
+
+def _closed_form(s_c, s_l, s_ll, s_w, s_lw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, zero, ok) from the five sums of :func:`lsq_fit` (all [R, Gc, 1])."""
     det = s_c * s_ll - s_l * s_l
     ok = det > 1e-12 * s_c * s_ll.clamp_min(1e-30)
     safe = torch.where(ok, det, torch.ones_like(det))
@@ -108,23 +113,76 @@ class Best:
         self.err = torch.where(better, err, self.err)
 
 
+class _Work:
+    """One search's scratch space over the groups ``w`` [R, Gc, G]: two buffers of w's size, reused by every
+    candidate, and the sums that do not depend on the codes (S_c, S_w).
+
+    The candidates' codes, fits and errors are the very same fp32 operations as :func:`codes`, :func:`lsq_fit` and
+    :func:`weighted_error`, in the same order, written into the buffers in place (so the same bits; the tests compare
+    with those functions). Why: each of the ~40 candidates otherwise allocates about a dozen temporaries of w's size,
+    and glibc serves a 2 MiB block by mmap and returns it by munmap, so every temporary page-faults afresh (a 2048 x
+    8192 weight at g128 on 2 Zen 3 cores: 9.4 s, or 1.9 s when the allocator happens to keep them, against 1.2 s in
+    place; benchmarks/bench_search.py).
+    """
+
+    def __init__(self, w: torch.Tensor, c: torch.Tensor | None):
+        self.w, self.c = w, c
+        self.a, self.b = torch.empty_like(w), torch.empty_like(w)
+        self.s_c = torch.full_like(w[..., :1], w.shape[-1]) if c is None else c.sum(-1, keepdim=True)
+        self.s_w = (w if c is None else c * w).sum(-1, keepdim=True)
+
+    def codes(self, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """:func:`codes` into buffer a."""
+        a = torch.sub(self.w, zero, out=self.a).div_(scale).round_().add_(8.0)
+        return a.clamp_(0.0, 15.0)
+
+    def error(self, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """:func:`weighted_error` of the pair's codes, [R, Gc, 1] (buffer a is spent)."""
+        e = self.codes(scale, zero).sub_(8.0).mul_(scale).add_(zero).sub_(self.w).square_()
+        return (e if self.c is None else e.mul_(self.c)).sum(-1, keepdim=True)
+
+    def fit(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`lsq_fit` of the codes ``q`` (buffer a, spent)."""
+        L = q.sub_(8.0)
+        if self.c is None:
+            s_l = L.sum(-1, keepdim=True)
+            s_ll = torch.mul(L, L, out=self.b).sum(-1, keepdim=True)
+            s_lw = torch.mul(L, self.w, out=self.b).sum(-1, keepdim=True)
+        else:
+            s_l = torch.mul(self.c, L, out=self.b).sum(-1, keepdim=True)
+            s_ll = self.b.mul_(L).sum(-1, keepdim=True)
+            s_lw = torch.mul(self.c, L, out=self.b).mul_(self.w).sum(-1, keepdim=True)
+        return _closed_form(self.s_c, s_l, s_ll, self.s_w, s_lw)
+
+
 def lsq_search(w: torch.Tensor, c: torch.Tensor | None, offsets=STEP_OFFSETS, rounds: int = REFINE_ROUNDS,
                extra: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Least c-weighted-error bf16 (scale, zero) per group of ``w`` [R, Gc, G] (see the module docstring).
 
     ``extra``: more candidate pairs (already bf16) to consider, e.g. a clipping search's. ``c`` None: uniform.
+    The same choice as offering every candidate to :class:`Best` (strict improvement, earlier wins ties), computed in
+    place (:class:`_Work`).
     """
+    work = _Work(w, c)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    best = Best(w, c, *minmax_params(lo, hi))
-    for scale, zero in extra:
-        best.offer(scale, zero)
+    scale, zero = minmax_params(lo, hi)
+    err = work.error(scale, zero)
+
+    def offer(s: torch.Tensor, z: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        nonlocal scale, zero, err
+        e = work.error(s, z)
+        better = e < err if ok is None else (e < err) & ok
+        scale, zero, err = torch.where(better, s, scale), torch.where(better, z, zero), torch.where(better, e, err)
+
+    for s, z in extra:
+        offer(s, z)
     span = (hi - lo).clamp_min(_MIN_SCALE)
     for d in offsets:
-        q = (torch.round((w - lo) * ((15.0 + d) / span))).clamp_(0.0, 15.0)
-        best.offer(*lsq_fit(w, q, c))
+        q = torch.sub(w, lo, out=work.a).mul_((15.0 + d) / span).round_().clamp_(0.0, 15.0)
+        offer(*work.fit(q))
     for _ in range(rounds):  # Lloyd-style: codes for the best pair, then the best pair for those codes
-        best.offer(*lsq_fit(w, codes(w, best.scale, best.zero), c))
-    return best.scale, best.zero
+        offer(*work.fit(work.codes(scale, zero)))
+    return scale, zero
 
 
 def hqq_zero(w: torch.Tensor, c: torch.Tensor, iters: int = 20, p: float = 0.7, beta: float = 10.0,
