@@ -10,7 +10,8 @@ from edgeq.errors import EdgeqError
 from edgeq.layouts import gptq as lg
 from edgeq.layouts import tinygemm as tg
 from edgeq.quantize import rtn
-from edgeq.quantize.gptq import HessianAccumulator, concat_rows, gptq_quantize, prepare_hessian
+from edgeq.quantize.gptq import concat_rows, gptq_quantize
+from edgeq.quantize.hessian import HessianAccumulator, prepare_hessian
 from helpers.gptq import make_gptq, pack_gptq, to_int32
 
 LAYOUT = tg.probe()
@@ -317,6 +318,38 @@ def test_block_size_does_not_change_the_result():
     for r in runs[1:]:
         assert float((r.q == runs[0].q).double().mean()) > 0.995
         assert r.output_error == pytest.approx(runs[0].output_error, rel=0.02)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("damp", [0.01, 1.0])
+def test_output_error_from_the_sweep_equals_the_direct_product(act_order, damp):
+    """output_error comes from the sweep's scaled errors minus the dampening and the dead channels' unit diagonal
+    (gptq._result); it must equal tr(E H E^T) computed directly, with dead channels and a large damping (where the
+    subtracted terms are largest), and output_norm tr(W H W^T)."""
+    w, h, _ = correlated_layer(dead=(3, 100, 200))
+    r = gptq_quantize(w, h, 32, damp=damp, act_order=act_order, keep_dequantized=True)
+    assert r.damp == damp
+    w_hat_nat = r.w_hat if r.perm is None else r.w_hat[:, torch.argsort(r.perm)]
+    assert r.output_error == pytest.approx(out_err(w, w_hat_nat, h), rel=1e-4)
+    assert r.output_norm == pytest.approx(float(((w.double() @ h.double()) * w.double()).sum()), rel=1e-5)
+    prep = prepare_hessian(h, damp, act_order)
+    assert prep.dead == 3 and prep.dead_cols.nonzero().flatten().tolist() == [3, 100, 200]
+    assert prep.shift == pytest.approx(damp * (float(h.diagonal().sum()) + 3) / h.shape[0])
+
+
+@pytest.mark.parametrize("n,leaf", [(300, 16), (129, 8), (512, 512), (700, 64)])
+def test_triangular_inverse_by_halves(n, leaf):
+    """hessian._inverse_upper (recursive, by halves) against fp64's solve against the identity: upper, the same
+    values to fp32 accuracy, for sizes that split unevenly and a leaf-sized matrix."""
+    from edgeq.quantize.hessian import _inverse_upper
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(2 * n, n, generator=gen, dtype=torch.float64)
+    r = torch.linalg.cholesky(x.t() @ x / n, upper=True)
+    u = _inverse_upper(r.float(), leaf)
+    ref = torch.linalg.solve_triangular(r, torch.eye(n, dtype=torch.float64), upper=True)
+    assert u.dtype == torch.float32 and bool((u.tril(-1) == 0).all())
+    assert float((u.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert float((r.float() @ u - torch.eye(n)).abs().max()) < 1e-4
 
 
 def test_act_order_perm_and_dead_columns():

@@ -38,8 +38,8 @@ from torch import nn
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
-from edgeq.quantize.gptq import (GROUP_PARAMS, GPTQResult, HessianAccumulator, concat_rows, gptq_quantize,
-                                 prepare_hessian)
+from edgeq.quantize.gptq import GROUP_PARAMS, GPTQResult, concat_rows, gptq_quantize
+from edgeq.quantize.hessian import HessianAccumulator, PreparedHessian, prepare_hessian
 from edgeq.scheme import Scheme
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -199,13 +199,16 @@ def _hessian_for(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torc
     return acc.hessian()
 
 
-def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Tensor, scheme: Scheme, opts: dict, keep_w_hat: bool) -> GPTQResult:
-    """GPTQ one weight (read from the checkpoint) in row blocks under one factorisation of H."""
+def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Tensor, scheme: Scheme, opts: dict, keep_w_hat: bool,
+                   prep: PreparedHessian | None = None) -> GPTQResult:
+    """GPTQ one weight (read from the checkpoint) in row blocks under one factorisation of H (``prep``, shared by
+    the modules that read one input; made here if None)."""
     info = ckpt.tensors.get(tensor)
     if info is None:
         raise EdgeqError(f"{ckpt.root}: tensor {tensor} not found")
     n, k = info.shape
-    prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=module_name)
+    if prep is None:
+        prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=module_name)
     step = max(64, (ROW_BLOCK_ELEMENTS // k) // 64 * 64)
     parts = []
     for a in range(0, n, step):
@@ -310,12 +313,13 @@ def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.T
         H = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0])
         if observe:
             observe(prefix + group[0], H)
+        prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
         for n in todo:
-            r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True)
+            r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True, prep=prep)
             with torch.no_grad():
                 linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
             yield prefix + n, replace(r, w_hat=None)
-        del H
+        del H, prep
     out = torch.empty_like(h)
     for sl in _batches(s, t):
         out[sl] = run(layer, h[sl])

@@ -47,40 +47,11 @@ import torch
 
 from edgeq.errors import EdgeqError
 from edgeq.quantize import rtn
+from edgeq.quantize.hessian import PreparedHessian, prepare_hessian
 
 _MIN_SCALE = 2.0**-24  # a constant group's scale; bf16 represents it exactly
 GROUP_PARAMS = ("search", "minmax")  # how a group's (scale, zero) are chosen; the first is the default
 _INNER = 32  # columns per inner sub-block: rank-1 updates stay small (serial, cache-resident); see gptq_quantize
-
-
-class HessianAccumulator:
-    """Running ``H = 2/n * X^T X`` over calibration tokens for one linear input of width K.
-
-    The sum is kept in float32: its relative rounding error after B batches is about B * 2^-24 (1e-5 for 128
-    batches), three orders below the 1 % dampening GPTQ adds anyway, and fp32 halves the memory of an fp64
-    accumulator (4 K^2 bytes: 320 MB at K = 8960). bf16 activations widen to fp32 exactly.
-    """
-
-    def __init__(self, k: int, name: str = "input"):
-        self.k = int(k)
-        self.name = name
-        self.n = 0
-        self._sum = torch.zeros(self.k, self.k, dtype=torch.float32)
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add tokens ``x [..., K]`` (any float dtype)."""
-        if x.shape[-1] != self.k:
-            raise EdgeqError(f"{self.name}: calibration input has {x.shape[-1]} features, the Hessian expects K={self.k}")
-        x2 = x.detach().reshape(-1, self.k).to(torch.float32)
-        if x2.shape[0]:
-            self._sum.addmm_(x2.t(), x2)
-            self.n += x2.shape[0]
-
-    def hessian(self) -> torch.Tensor:
-        """float32 [K, K] ``2/n * sum x x^T``."""
-        if self.n == 0:
-            raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
-        return self._sum * (2.0 / self.n)
 
 
 @dataclass(frozen=True)
@@ -140,79 +111,20 @@ def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 
 @contextmanager
-def _one_thread():
-    """Run the column sweep on one intra-op thread: its thousands of small steps gain nothing from a second thread,
+def _threads(n: int):
+    """torch's intra-op thread count set to ``n`` while active (process-global), restored after.
+
+    The column sweep runs its thousands of small per-column steps on one thread: they gain nothing from a second,
     and with busy cores the thread pool's hand-offs cost more than the work (measured 4-5x slower with 2 threads on
-    a loaded 2-core machine). The per-block matmuls are a small share of the time. Process-global while active."""
+    a loaded 2-core machine). Its large steps (a group's parameter search over N rows, a block's trailing update)
+    get the caller's threads back.
+    """
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor U of (H + d*mean(diag H)*I)^-1 (fp32) and the relative damping d that worked.
-
-    Without forming the inverse: with J the reversal matrix, J H J = L L^T gives H = R R^T with R = J L J upper
-    triangular, so H^-1 = (R^-1)^T R^-1 and U = R^-1 (positive diagonal, hence the Cholesky factor). One Cholesky
-    and one triangular inverse instead of a Cholesky, an inverse and a second Cholesky.
-    """
-    mean = float(h.diagonal().mean())
-    steps, d = [], damp
-    while d < 1.0:
-        steps.append(d)
-        d *= 10.0
-    steps.append(1.0)
-    for d in steps:
-        for dtype in (torch.float32, torch.float64):
-            h2 = h.to(dtype, copy=True)
-            h2.diagonal().add_(d * mean)
-            low, info = torch.linalg.cholesky_ex(h2.flip(0, 1))
-            if int(info):
-                continue
-            u = torch.linalg.solve_triangular(low.flip(0, 1), torch.eye(h.shape[0], dtype=dtype), upper=True)
-            if not bool(torch.isfinite(u).all()) or not bool((u.diagonal() > 0).all()):
-                continue
-            return u.to(torch.float32), d
-    raise EdgeqError(
-        f"{name}: the Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite even with dampening "
-        f"{steps[-1]} x mean(diag) (mean diag {mean:.3g}); calibrate with more or longer samples, or use --method rtn"
-    )
-
-
-@dataclass(frozen=True)
-class PreparedHessian:
-    """What GPTQ needs from H, shared by every weight (or row block) quantised under the same H.
-
-    u: fp32 [K, K] upper Cholesky factor of the damped ``H^-1``, rows/columns in visit order; perm: int64 [K] visit
-    order (act_order) or None; damp: the relative dampening used; dead: number of dead input channels.
-    """
-
-    u: torch.Tensor
-    perm: torch.Tensor | None
-    damp: float
-    dead: int
-
-
-def prepare_hessian(H: torch.Tensor, damp: float = 0.01, act_order: bool = False, *, name: str = "weight") -> PreparedHessian:
-    """Dead channels, act-order permutation and the damped inverse Cholesky factor of ``H`` (float [K, K])."""
-    if H.dim() != 2 or H.shape[0] != H.shape[1] or not H.is_floating_point():
-        raise EdgeqError(f"{name}: the Hessian must be a square float matrix, got {H.dtype} {list(H.shape)}")
-    if not 0.0 < damp <= 1.0:
-        raise EdgeqError(f"{name}: damp={damp} must be in (0, 1]")
-    if not bool(torch.isfinite(H).all()):
-        raise EdgeqError(f"{name}: the Hessian has NaN/Inf entries (calibration activations overflowed)")
-    h = H.to(torch.float32).clone()
-    diag = h.diagonal().clone()
-    dead = diag == 0
-    h[dead, dead] = 1.0  # decoupled: the error of a dead column goes nowhere, and nothing flows into it
-    perm = torch.sort(diag, descending=True, stable=True).indices if act_order else None
-    if perm is not None:
-        h = h[perm][:, perm]
-    u, used = _inverse_cholesky(h, damp, name)
-    return PreparedHessian(u=u, perm=perm, damp=used, dead=int(dead.sum()))
 
 
 def gptq_quantize(
@@ -263,10 +175,9 @@ def gptq_quantize(
 
     Q = torch.empty(n, k, dtype=torch.uint8)
     W_hat = torch.empty(n, k, dtype=torch.float32)
-    bs = max(g, (block_size // g) * g)
-    inner = math.gcd(g, _INNER)
-    with _one_thread():
-        _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g, bs, inner, group_params)
+    bs, threads = max(g, (block_size // g) * g), torch.get_num_threads()  # the caller's, for the large steps
+    with _threads(1):
+        err_sq = _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g, bs, math.gcd(g, _INNER), group_params, threads)
     del W
 
     out_perm = perm
@@ -274,7 +185,7 @@ def gptq_quantize(
         inv = torch.argsort(perm)
         Q, W_hat, out_perm = Q[:, inv].contiguous(), W_hat[:, inv].contiguous(), None
     sz = torch.stack((scales, zeros), dim=-1).to(torch.bfloat16)  # [K/G, N, 2], values already bf16
-    return _result(w, H, Q, W_hat, sz, g, out_perm, used, keep_dequantized)
+    return _result(w, H, Q, W_hat, sz, g, out_perm, prepared, err_sq, keep_dequantized)
 
 
 def _check_inputs(w: torch.Tensor, H: torch.Tensor, group_size: int, name: str) -> tuple[int, int, int]:
@@ -293,31 +204,44 @@ def _check_inputs(w: torch.Tensor, H: torch.Tensor, group_size: int, name: str) 
 
 
 def _result(w: torch.Tensor, H: torch.Tensor, Q: torch.Tensor, W_hat: torch.Tensor, sz: torch.Tensor, g: int,
-            perm: torch.Tensor | None, damp: float, keep_dequantized: bool) -> GPTQResult:
+            perm: torch.Tensor | None, prepared: PreparedHessian, err_sq: float, keep_dequantized: bool) -> GPTQResult:
     """The result with its error measures against the original ``w`` [N, K] (natural column order): output error
-    ``sum((w - w_hat) H (w - w_hat)^T)``, its norm ``sum(w H w^T)`` (float64 sums) and per-row squared errors."""
+    ``tr(E H E^T)`` with ``E = w - w_hat``, its norm ``tr(w H w^T)`` (float64 sums) and per-row squared errors.
+
+    The output error comes from the sweep, not from a second [N, K] x [K, K] product: GPTQ's updates are exact, so
+    the scaled errors it propagates (``e_c = (v_c - w_hat_c) / U[c, c]``, v_c the column when it was quantised) add
+    up to the error under the Hessian it used, ``sum e_c^2 = tr(E H' E^T)``, H' = H with dead diagonals set to 1 plus
+    ``shift`` on the diagonal (the identity behind GPTQ's per-column losses; checked against the direct product in
+    tests/test_gptq.py). Hence ``tr(E H E^T) = sum e^2 - shift * ||E||^2 - ||E[:, dead]||^2``.
+    """
     w32 = w.to(torch.float32)
     w_hat_nat = W_hat if perm is None else W_hat[:, torch.argsort(perm)]
     err = w32 - w_hat_nat
-    h32 = H.to(torch.float32)
+    sq_error = err.double().square().sum(-1)
+    output_error = err_sq - prepared.shift * float(sq_error.sum())
+    if prepared.dead:
+        output_error -= float(err[:, prepared.dead_cols].double().square().sum())
     return GPTQResult(
         q=Q,
         scales_and_zeros=sz,
         group_size=g,
         perm=perm,
-        damp=damp,
-        output_error=float(((err @ h32) * err).sum(dtype=torch.float64)),
-        output_norm=float(((w32 @ h32) * w32).sum(dtype=torch.float64)),
-        sq_error=err.double().square().sum(-1),
+        damp=prepared.damp,
+        output_error=max(0.0, output_error),
+        output_norm=float(((w32 @ H.to(torch.float32)) * w32).sum(dtype=torch.float64)),
+        sq_error=sq_error,
         sq_norm=w32.double().square().sum(-1),
         w_hat=W_hat if keep_dequantized else None,
     )
 
 
-def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inner: int, how: str) -> None:
+def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inner: int, how: str,
+           threads: int) -> float:
     """The GPTQ column sweep over W [N, K] (fp32, visit order, updated in place) with U the upper Cholesky factor
-    of the damped H^-1; fills Q (uint8), W_hat (fp32) and, for dynamic groups, scales/zeros [K/G, N]."""
+    of the damped H^-1; fills Q (uint8), W_hat (fp32) and, for dynamic groups, scales/zeros [K/G, N]. Returns the
+    sum of the squared scaled errors it propagated (float64), the output error under the damped H (see _result)."""
     n, k = W.shape
+    err_sq = 0.0
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
         Err = torch.empty(n, i2 - i1, dtype=torch.float32)
@@ -331,7 +255,8 @@ def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inn
                     j = int(static_col_group[c])
                     scale, zero = scales[j], zeros[j]
                 elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
-                    s1, z1 = group_qparams(W[:, c : c + g].unsqueeze(1), how)
+                    with _threads(threads):
+                        s1, z1 = group_qparams(W[:, c : c + g].unsqueeze(1), how)
                     scale, zero = s1[:, 0, 0], z1[:, 0, 0]
                     scales[c // g], zeros[c // g] = scale, zero
                 col = W1[:, i]
@@ -343,8 +268,11 @@ def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inn
                 W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
             if j2 < i2:
                 W[:, j2:i2].addmm_(Err[:, j1 - i1 : j2 - i1], U[j1:j2, j2:i2], alpha=-1.0)
+        err_sq += float(Err.square().sum(dtype=torch.float64))
         if i2 < k:
-            W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
+            with _threads(threads):  # the one large product of the block: worth the thread pool
+                W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
+    return err_sq
 
 
 def concat_rows(parts: list[GPTQResult]) -> GPTQResult:
