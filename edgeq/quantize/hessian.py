@@ -110,8 +110,8 @@ class PreparedHessian:
     perm: torch.Tensor | None
     damp: float
     dead: int
-    shift: float = 0.0
-    dead_cols: torch.Tensor | None = None
+    shift: float
+    dead_cols: torch.Tensor
 
 
 def prepare_hessian(H: torch.Tensor, damp: float = 0.01, act_order: bool = False, *, name: str = "weight") -> PreparedHessian:
