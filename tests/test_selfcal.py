@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from edgeq import cpu
 from edgeq.convert import selfcal
 from edgeq.convert.calibrated import GPTQOptions
 from edgeq.errors import EdgeqError
@@ -174,8 +175,10 @@ def test_sampling_dtype_follows_calib_dtype_only_when_named(tmp_path, capsys, mo
     still draws from the model's distribution; the manifest records both dtypes."""
     w, rec = selfcal.sample_windows(FIXTURE, 3, 16, seed=0)
     assert rec["dtype"] == "bfloat16" and rec["cast_bytes"] == 0
+    assert rec["matmul"] == ("bfloat16" if cpu.has_bf16_dot() else selfcal.UPCAST)
     w32, rec32 = selfcal.sample_windows(FIXTURE, 3, 16, seed=0, dtype=torch.float32)
     assert rec32["dtype"] == "float32" and rec32["cast_bytes"] >= 4 * 4_000_000  # ~4.2M parameters, 4 bytes each
+    assert rec32["matmul"] == "float32"
     assert _reference_draw_check(w32, 0) > 0.95
     monkeypatch.setenv("EDGEQ_CALIB_DTYPE", "fp32")
     out = tmp_path / "o"
@@ -185,3 +188,15 @@ def test_sampling_dtype_follows_calib_dtype_only_when_named(tmp_path, capsys, mo
     g = json.loads((out / "edgeq_manifest.json").read_text())["gptq"]
     assert g["compute_dtype"] == "float32" and g["calibration"]["dtype"] == "float32"
     assert g["calibration"]["cast_bytes"] == rec32["cast_bytes"]
+
+
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_auto_upcasts_the_linears_only_without_bf16_dot_products(monkeypatch, bf16_dot):
+    """Under auto, a CPU without bf16 dot products samples with fp32 GEMMs over the mapped bf16 weights (no copy);
+    one with them keeps bf16 GEMMs; a named bf16 always does. Either way the ids are the model's draws."""
+    monkeypatch.setattr(cpu, "has_bf16_dot", lambda: bf16_dot)
+    w, rec = selfcal.sample_windows(FIXTURE, 3, 16, seed=0)
+    assert rec["matmul"] == ("bfloat16" if bf16_dot else selfcal.UPCAST) and rec["cast_bytes"] == 0
+    assert _reference_draw_check(w, 0) > 0.95
+    _, named = selfcal.sample_windows(FIXTURE, 1, 4, seed=0, dtype=torch.bfloat16)
+    assert named["matmul"] == "bfloat16" and named["cast_bytes"] == 0
