@@ -134,7 +134,7 @@ def sample_windows(model_dir: str | Path, nsamples: int = NSAMPLES, seqlen: int 
                          "need >= 1, >= 2 and > 0")
     named = dtype is not None
     model, config, dtype, copied = _mapped_model(root, dtype)
-    matmul = str(dtype).removeprefix("torch.")
+    dtype_name = matmul = str(dtype).removeprefix("torch.")
     if not named and dtype == torch.bfloat16 and not cpu.has_bf16_dot():
         upcast.upcast_linears(model)  # bf16 weights, fp32 GEMMs by row blocks: no copy (module docstring)
         matmul = UPCAST
@@ -152,7 +152,7 @@ def sample_windows(model_dir: str | Path, nsamples: int = NSAMPLES, seqlen: int 
         torch.set_num_threads(threads)
     windows = ids[:, 1:].contiguous()
     record = {"source": SELF, "seed": seed, "temperature": temperature, "top_k": None, "top_p": None,
-              "start_token": start, "suppressed_tokens": suppressed, "dtype": str(dtype).removeprefix("torch."),
+              "start_token": start, "suppressed_tokens": suppressed, "dtype": dtype_name,
               "matmul": matmul, "rows_per_batch": rows, "windows": nsamples, "seqlen": seqlen, "tokens": nsamples * seqlen,
               "nsamples_asked": nsamples, "ids_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest(), "cast_bytes": copied}
     return windows, record
