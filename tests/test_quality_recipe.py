@@ -18,9 +18,18 @@ def test_never_picked_by_model_type():
         ((), "w4a16-g256", "gptq", "packed", 2)
 
 
+def test_only_the_first_layer_gets_finer_groups():
+    """The first layer's MLP patterns must not catch layers 10, 20, 100 (``layers.10.`` contains ``0.``)."""
+    r = find_recipe("quality", "llama")
+    g = {i: (r.group_size(f"model.layers.{i}.mlp.down_proj.weight", 256), r.group_size(f"model.layers.{i}.mlp.up_proj.weight", 256))
+         for i in (0, 1, 10, 20, 100)}
+    assert g == {0: (32, 64), 1: (256, 256), 10: (256, 256), 20: (256, 256), 100: (256, 256)}
+    assert r.group_size("lm_head.weight", 256) == 256
+
+
 def test_converts_the_bundled_model(tmp_path, capsys):
-    """GPTQ (self-sampled windows), the head summing both packed levels, g256 with g128 for k/v and the MLP; the
-    checkpoint loads and generates."""
+    """GPTQ (self-sampled windows), the head summing both packed levels, g256 with the first layer's down_proj at g32
+    and gate/up at g64 (only the first layer's: layer 1 stays at g256); the checkpoint loads and generates."""
     out = tmp_path / "q"
     code, _, err = run_cli(["quantize", FIXTURE, "-o", out, "--recipe", "quality", "--calib", "self", "--nsamples", "2",
                             "--seqlen", "16", "-q"], capsys)
@@ -28,11 +37,12 @@ def test_converts_the_bundled_model(tmp_path, capsys):
     m = read_manifest(out)
     assert (m.scheme, m.method, m.extra["gptq"]["calibration"]["source"]) == ("w4a16-g256", "gptq", "self")
     assert m.head_levels == [("lm_head", 256), ("model.embed_tokens", 256)]  # level 0 is the head, level 1 the residual
-    groups = {p: m.group_size(f"model.layers.0.{p}") for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                               "mlp.down_proj")}
-    assert groups == {"self_attn.q_proj": 256, "self_attn.k_proj": 128, "self_attn.v_proj": 128,
-                      "self_attn.o_proj": 256, "mlp.gate_proj": 128, "mlp.up_proj": 128, "mlp.down_proj": 128}
+    mods = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
+    groups = {i: {p: m.group_size(f"model.layers.{i}.{p}") for p in mods} for i in (0, 1)}
+    assert groups[0] == {"self_attn.q_proj": 256, "self_attn.k_proj": 256, "self_attn.v_proj": 256,
+                         "self_attn.o_proj": 256, "mlp.gate_proj": 64, "mlp.up_proj": 64, "mlp.down_proj": 32}
+    assert groups[1] == {p: 256 for p in mods}
     lm = load(out, kv_cache_bytes=16 << 20)
     assert len(generate_ids(lm, [1, 2, 3], 4)) >= 3
 
