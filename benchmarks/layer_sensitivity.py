@@ -2,8 +2,10 @@
 
     python benchmarks/layer_sensitivity.py split [--method gptq|rtn] [--model DIR --text FILE]
     python benchmarks/layer_sensitivity.py arms [--arms NAME,...] [--nsamples N] [--seed S] [--model DIR --text FILE]
+    python benchmarks/layer_sensitivity.py arms --method rtn [--arms NAME,...] [--model DIR --text FILE]
 
-``split``: converts MODEL with the family recipe (``--method gptq`` calibrates with ``--calib self``; bf16
+``split``: converts MODEL with the family recipe as it was before the first layer got g32 (``RTN_ARMS
+["family-before"]``: head, q/k/v, down_proj at g32; ``--method gptq`` calibrates with ``--calib self``; bf16
 embeddings so the head is one 4-bit level), dequantises every quantised weight (codes, bf16 scale and zero) into an
 fp32 copy of the float model, and scores subsets against the float model: the head only, the decoder layers only, one
 projection class at a time (every layer's), one layer at a time (all of its projections). Mean KLD over the second
@@ -14,6 +16,8 @@ packed embeddings, base w4a16-g256 as recipes/quality.toml) with per-tensor grou
 (:data:`ARMS`), each scored by ``edgeq.fidelity.compare`` against the bf16 model; bytes are counted as
 ``benchmarks/quality_table.py`` counts them (quantised linears + head + embedding levels) and printed against
 llama.cpp Q4_K_M's 2,747,904 bytes on the bundled model (its figure from quality_table.py, same counting).
+``arms --method rtn``: the default's variants instead (:data:`RTN_ARMS`: `rtn`, g128 base, the head one level, packed
+embeddings).
 Statistics, not timings: the machine's load does not change them.
 """
 
@@ -55,6 +59,16 @@ ARMS = {  # name: [(tensor-name regex, group size)], first match wins; everythin
     "first-layer-down-g32-gate-up-g64": [(_L0 + r"mlp\.down_proj", 32), (_L0 + r"mlp\.", 64)],  # recipes/quality.toml
     "first-layer-gate-up-g32": [(_L0 + r"mlp\.(gate|up)_proj", 32)],
 }
+_KV_DOWN = [(r"lm_head\.weight$", 32), (r"self_attn\.[kv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)]
+RTN_ARMS = {  # everything else at the base g128
+    "family-before": [(r"lm_head\.weight$", 32), (r"self_attn\.[qkv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)],
+    "family-before+first-layer": [(_L0, 32), (r"lm_head\.weight$", 32), (r"self_attn\.[qkv]_proj\.weight$", 32),
+                                  (r"mlp\.down_proj\.weight$", 32)],
+    "family-before+first-layer-mlp": [(_L0 + r"mlp\.", 32), (r"lm_head\.weight$", 32),
+                                      (r"self_attn\.[qkv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)],
+    "first-layer,head,kv,down": [(_L0, 32)] + _KV_DOWN,  # recipes/llama.toml now
+    "first-layer-mlp,head,kv,down": [(_L0 + r"mlp\.", 32)] + _KV_DOWN,
+}
 
 
 def _windows(model: Path, text: str, ctx: int = 512) -> list[torch.Tensor]:
@@ -84,7 +98,8 @@ def split(model: Path, text: str, method: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "q"
         gptq = GPTQOptions(calib="self") if method == "gptq" else None
-        convert(model, out, Scheme.parse("w4a16-g128"), method, None, gptq=gptq, embeddings="bf16")
+        recipe = _recipe(Path(tmp) / "r.toml", RTN_ARMS["family-before"], "w4a16-g128", method, 1)  # pinned
+        convert(model, out, Scheme.parse("w4a16-g128"), method, str(recipe), gptq=gptq, embeddings="bf16")
         deq = _dequantised(out)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     wins = _windows(model, text)
@@ -94,7 +109,7 @@ def split(model: Path, text: str, method: str) -> None:
                "decoder layers only": lambda m: m != "lm_head"}
     subsets.update({f"{c} only (every layer)": (lambda m, c=c: m.endswith(c)) for c in CLASSES})
     subsets.update({f"layer {i} only": (lambda m, i=i: m.startswith(f"model.layers.{i}.")) for i in layers})
-    print(f"| quantised ({method}, family recipe, g128 base) | mean KLD | same top-1 |\n|---|---|---|")
+    print(f"| quantised ({method}, family-before recipe, g128 base) | mean KLD | same top-1 |\n|---|---|---|")
     for label, pick in subsets.items():
         q = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         q.lm_head.weight = torch.nn.Parameter(q.lm_head.weight.detach().clone())  # untie: the head is its own copy
@@ -111,25 +126,27 @@ def split(model: Path, text: str, method: str) -> None:
         print(f"| {label} | {kld / n:.5f} | {same / n:.1%} |", flush=True)
 
 
-def _recipe(path: Path, group_sizes: list[tuple[str, int]]) -> Path:
+def _recipe(path: Path, group_sizes: list[tuple[str, int]], scheme: str, method: str, head_levels: int) -> Path:
     table = ", ".join(f"{json.dumps(p)} = {g}" for p, g in group_sizes)
     path.write_text("\n".join([
-        'name = "sensitivity-arm"', "model_types = []", 'scheme = "w4a16-g256"', 'method = "gptq"',
+        'name = "sensitivity-arm"', "model_types = []", f'scheme = "{scheme}"', f'method = "{method}"',
         'head = "lm_head.weight"', 'embeddings = ["model.embed_tokens.weight"]', "keep_bf16 = []",
-        'embeddings_storage = "packed"', "head_levels = 2", f"group_sizes = {{ {table} }}"]) + "\n")
+        'embeddings_storage = "packed"', f"head_levels = {head_levels}", f"group_sizes = {{ {table} }}"]) + "\n")
     return path
 
 
-def arms(model: Path, text: str | None, names: list[str], nsamples: int | None, seed: int) -> None:
+def arms(model: Path, text: str | None, names: list[str], nsamples: int | None, seed: int, method: str) -> None:
     ref = load(model)
-    print(f"| arm (GPTQ --calib self seed {seed}{f', {nsamples} windows' if nsamples else ''}) | bytes counted | "
-          "vs Q4_K_M's | mean KLD (± se) | same top-1 |\n|---|---|---|---|---|")
+    gptq = method == "gptq"
+    scheme, levels, table = ("w4a16-g256", 2, ARMS) if gptq else ("w4a16-g128", 1, RTN_ARMS)
+    what = f"GPTQ --calib self seed {seed}{f', {nsamples} windows' if nsamples else ''}" if gptq else "rtn, g128 base"
+    print(f"| arm ({what}) | bytes counted | vs Q4_K_M's | mean KLD (± se) | same top-1 |\n|---|---|---|---|---|")
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "q"
-            gptq = GPTQOptions(calib="self", seed=seed, **({"nsamples": nsamples} if nsamples else {}))
-            convert(model, out, scheme=Scheme.parse("w4a16-g256"), method="gptq",
-                    recipe=str(_recipe(Path(tmp) / "r.toml", ARMS[name])), gptq=gptq, embeddings="packed", head_levels=2)
+            opts = GPTQOptions(calib="self", seed=seed, **({"nsamples": nsamples} if nsamples else {})) if gptq else None
+            convert(model, out, scheme=Scheme.parse(scheme), method=method, gptq=opts, embeddings="packed",
+                    recipe=str(_recipe(Path(tmp) / "r.toml", table[name], scheme, method, levels)), head_levels=levels)
             nbytes, r = edgeq_bytes(out), F.compare(ref, load(out), text=text)
         print(f"| {name} | {nbytes:,} | {nbytes - Q4_K_M_BYTES:+,} | {r.kld_mean:.5f} ± {r.kld_mean_err:.5f} | "
               f"{r.top1_agreement:.1%} |", flush=True)
@@ -141,7 +158,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", type=Path, default=FIXTURE)
     ap.add_argument("--text", type=Path, help="evaluation text (default: the bundled held-out prose)")
     ap.add_argument("--method", choices=["gptq", "rtn"], default="gptq")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", help="comma-separated names of ARMS (gptq) or RTN_ARMS (rtn); default: all")
     ap.add_argument("--nsamples", type=int)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -149,7 +166,8 @@ def main(argv=None) -> None:
     if a.what == "split":
         split(a.model, text if text is not None else (DATA / "heldout-prose.txt").read_text(encoding="utf-8"), a.method)
     else:
-        arms(a.model, text, a.arms.split(","), a.nsamples, a.seed)
+        names = a.arms.split(",") if a.arms else list(ARMS if a.method == "gptq" else RTN_ARMS)
+        arms(a.model, text, names, a.nsamples, a.seed, a.method)
 
 
 if __name__ == "__main__":

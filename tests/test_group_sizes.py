@@ -129,7 +129,14 @@ def test_family_recipes_name_finer_groups_for_the_sensitive_tensors():
     r = find_recipe(None, "llama")
     assert Scheme.parse(r.scheme).group_size == 128
     assert r.group_size("lm_head.weight", 128) == 32
-    assert r.group_size("model.layers.0.self_attn.o_proj.weight", 128) == 128
+    assert r.group_size("model.layers.1.self_attn.o_proj.weight", 128) == 128
+    assert r.group_size("model.layers.1.self_attn.q_proj.weight", 128) == 128
+    assert r.group_size("model.layers.1.self_attn.k_proj.weight", 128) == 32
+    assert r.group_size("model.layers.1.mlp.down_proj.weight", 128) == 32
+    # the whole first layer (about half of the error on the models trained here: docs/results.md "the first layer")
+    assert {r.group_size(f"model.layers.0.{m}.weight", 128) for m in ("self_attn.q_proj", "self_attn.o_proj",
+                                                                       "mlp.gate_proj", "mlp.up_proj")} == {32}
+    assert r.group_size("model.layers.10.self_attn.o_proj.weight", 128) == 128
 
 
 @pytest.mark.parametrize("embeddings", ["bf16", None])

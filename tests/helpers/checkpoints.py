@@ -49,13 +49,17 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copy(src / f, out / f)
 
 
-def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax", embeddings: str | None = None) -> Path:
+PINNED_RECIPE = Path(__file__).parent / "recipes" / "llama-pinned.toml"
+
+
+def quantize(src: Path, out: Path, group_size: int = 32, method: str = "minmax", embeddings: str | None = None,
+             recipe: str | None = None) -> Path:
     """The real `edgeq quantize` pipeline (edgeq.convert.pipeline); ``embeddings`` = --embeddings (None: the default,
-    packed)."""
+    packed); ``recipe`` = --recipe (None: the family's)."""
     from edgeq.convert.pipeline import convert
     from edgeq.scheme import Scheme
 
-    convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, force=True, embeddings=embeddings)
+    convert(src, out, Scheme.parse(f"w4a16-g{group_size}"), method=method, recipe=recipe, force=True, embeddings=embeddings)
     return out
 
 
@@ -172,9 +176,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content']
 
 
 def prose_checkpoint(tmp_path_factory) -> Path:
-    """The bundled trained fixture (Llama, tied head) quantised w4a16-g128 minmax, once per test session."""
+    """The bundled trained fixture (Llama, tied head) quantised w4a16-g128 minmax, once per test session, with the
+    pinned recipe (helpers/recipes/llama-pinned.toml) its greedy golden trajectories were recorded with."""
     if "prose" not in _CACHE:
-        _CACHE["prose"] = quantize(FIXTURE, tmp_path_factory.mktemp("prose") / "q", group_size=128)
+        _CACHE["prose"] = quantize(FIXTURE, tmp_path_factory.mktemp("prose") / "q", group_size=128,
+                                   recipe=str(PINNED_RECIPE))
     return _CACHE["prose"]
 
 
