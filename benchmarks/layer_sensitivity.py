@@ -43,6 +43,7 @@ from edgeq.keys import DATA  # noqa: E402
 from edgeq.layouts import tinygemm as tg  # noqa: E402
 from edgeq.runtime import load  # noqa: E402
 from edgeq.scheme import Scheme  # noqa: E402
+from bench_clipping import score  # noqa: E402  (mean KLD and same top-1 over the windows' second halves)
 from quality_table import edgeq_bytes  # noqa: E402
 
 FIXTURE = DATA / "tiny-prose"
@@ -117,13 +118,8 @@ def split(model: Path, text: str, method: str) -> None:
         for m, w in deq.items():
             if pick(m):
                 mods[m].weight.data = w.clone()
-        kld, same, n = 0.0, 0, 0
-        for w, rp in zip(wins, ref_lp):
-            lp = torch.log_softmax(q(w[None]).logits[0, len(w) // 2 :].double(), -1)
-            kld += float((rp.exp() * (rp - lp)).sum())
-            same += int((rp.argmax(-1) == lp.argmax(-1)).sum())
-            n += rp.shape[0]
-        print(f"| {label} | {kld / n:.5f} | {same / n:.1%} |", flush=True)
+        kld, same = score(q, ref_lp, wins)
+        print(f"| {label} | {kld:.5f} | {same:.1%} |", flush=True)
 
 
 def _recipe(path: Path, group_sizes: list[tuple[str, int]], scheme: str, method: str, head_levels: int) -> Path:
