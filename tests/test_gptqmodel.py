@@ -44,7 +44,7 @@ from helpers.paths import FIXTURE
 HAS_GPTQMODEL = importlib.util.find_spec("gptqmodel") is not None
 needs_gptqmodel = pytest.mark.skipif(not HAS_GPTQMODEL, reason="gptqmodel is not installed (the optional gptq extra: "
                                      "pip install 'edgeq[gptq]'; .ci/run tests it in its own environment)")
-SCHEME = Scheme.parse("w4a16-g128")  # the llama recipe's: the first layer, head, k/v and down_proj at g32, the rest at g128
+SCHEME = Scheme.parse("w4a16-g128")  # the llama recipe's: the first layer, head, q/k/v and down_proj at g32, the rest at g128
 
 
 def _plan(act_order: bool = False):

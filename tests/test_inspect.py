@@ -38,9 +38,9 @@ TP_LAYER_MODULES = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 
 # The default output stores the tied table packed (issue 16): level 0 is the head's own tensors, the residual level
 # model.embed_tokens g128 is U8 [4096, 128] + BF16 [2, 4096, 2]: 4096 * 256 / 2 + (256 / 128) * 4096 * 4 bytes.
 TP_RESIDUAL = 4096 * 256 // 2 + (256 // 128) * 4096 * 4  # 557056, instead of the bf16 table's 4096 * 256 * 2
-# Every tensor of the default w4a16-g128 output: 4329984 bytes at g128 everywhere, + 245760 for the llama recipe's
-# g32 first layer, head, k/v and down_proj scales/zeros, with the bf16 table (2097152) replaced by the residual level.
-TP_TENSOR_BYTES = 4329984 + 245760 - 4096 * 256 * 2 + TP_RESIDUAL  # 3035648
+# Every tensor of the default w4a16-g128 output: 4329984 bytes at g128 everywhere, + 264192 for the llama recipe's
+# g32 first layer, head, q/k/v and down_proj scales/zeros, with the bf16 table (2097152) replaced by the residual level.
+TP_TENSOR_BYTES = 4329984 + 264192 - 4096 * 256 * 2 + TP_RESIDUAL  # 3054080
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,8 @@ def test_edgeq_checkpoint_report(edgeq_ckpt):
     assert r.model["parameters"] == sum(t.numel for t in src.tensors.values()) == 4196608
     assert r.model["architecture"] == "LlamaForCausalLM" and r.model["layers"] == 4
     # bytes by category, by hand: N*K/2 + (K/G)*N*2*2 per quantised weight; the llama recipe's group_sizes put the
-    # whole first layer, the head, k/v and down_proj at G = 32, the rest at the scheme's 128
-    fine = {"k_proj", "v_proj", "down_proj"}
+    # whole first layer, the head, q/k/v and down_proj at G = 32, the rest at the scheme's 128
+    fine = {"q_proj", "k_proj", "v_proj", "down_proj"}
     q = lambda n, k, g=128: n * k // 2 + (k // g) * n * 4  # noqa: E731
     assert r.bytes_by_category == {
         "quantized_linears": sum(q(n, k, 32 if m in fine or i == 0 else 128) for i in range(4)
@@ -361,10 +361,10 @@ def test_hf_tiny_prose_every_scheme():
         bf16_table = build_plan(ckpt, scheme, "rtn", recipe)
         plan = pack_plan(bf16_table, recipe, resolve_storage(None, recipe, scheme), explicit=False)
         assert o.bytes_out == plan.bytes_out and o.ratio == pytest.approx(plan.bytes_in / plan.bytes_out)
-        G = plan.scheme.group_size  # the recipe's group_sizes: layer 0, head, k/v, down_proj at min(32, G)
+        G = plan.scheme.group_size  # the recipe's group_sizes: layer 0, head, q/k/v, down_proj at min(32, G)
         # the default packs the tied table: its bf16 bytes become the residual level at G (level 0 is the head)
         assert plan.bytes_out == bf16_table.bytes_out - 4096 * 256 * 2 + 4096 * 256 // 2 + (256 // G) * 4096 * 4
-        sized = [(n * k, min(32, G) if m in ("k_proj", "v_proj", "down_proj") or i == 0 else G)
+        sized = [(n * k, min(32, G) if m in ("q_proj", "k_proj", "v_proj", "down_proj") or i == 0 else G)
                  for i in range(4) for m, (n, k) in TP_LAYER_MODULES.items()] + [(4096 * 256, min(32, G))]
         want = sum(w * (4 + 32 / g) for w, g in sized) / sum(w for w, _ in sized)
         assert o.effective_bits == pytest.approx(want)
@@ -784,7 +784,7 @@ def test_default_mode_reads_no_tensor_data(edgeq_ckpt):
         before = _io()
         inspect_checkpoint(target)
         got = {k: _io()[k] - before[k] for k in ("rchar", "syscr")}
-        assert data > 3_000_000  # the packed default's 3035648 bytes (TP_TENSOR_BYTES); tiny-prose's 8.4 MB
+        assert data > 3_000_000  # the packed default's 3054080 bytes (TP_TENSOR_BYTES); tiny-prose's 8.4 MB
         assert got["rchar"] < 3 * (meta + header) + 65536 < data / 10, got
 
 
