@@ -86,7 +86,7 @@ def test_dynamic_overrides_give_every_module_the_plans_group_size():
         groups[e.module] = (m or {}).get("group_size", SCHEME.group_size)
         assert groups[e.module] == e.group(SCHEME), e.module
     assert _first_match(dynamic, "lm_head") == {"bits": 4, "group_size": 32, "sym": False, "desc_act": False}
-    assert sum(g == 32 for g in groups.values()) == 17 and len(groups) == 29  # 4 layers x (q, k, v, down) + head
+    assert sum(g == 32 for g in groups.values()) == 20 and len(groups) == 29  # 4 x (q,k,v,down), layer 0 o/gate/up, head
     assert _first_match(dynamic, "model.layers.1.self_attn.q_proj_x") is None  # whole names only
     keep = replace(plan, entries=tuple(replace(e, action=Action.KEEP) if e.module.endswith("o_proj") else e
                                        for e in plan.entries))
