@@ -86,9 +86,8 @@ def _dequantised(out: Path) -> dict[str, torch.Tensor]:
     res = {}
     for m in man.quantized_modules:
         n, half = ckpt.tensors[f"{m}.qweight"].shape
-        q = tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout).to(torch.int64) - 8
-        sz, g = ckpt.read(f"{m}.scales_and_zeros").float(), man.group_size(m)
-        res[m] = q.float() * sz[..., 0].t().repeat_interleave(g, 1) + sz[..., 1].t().repeat_interleave(g, 1)
+        q = tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout)
+        res[m] = tg.dequantize(q, ckpt.read(f"{m}.scales_and_zeros"), man.group_size(m))
     return res
 
 
