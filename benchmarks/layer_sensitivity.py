@@ -79,16 +79,22 @@ def _windows(model: Path, text: str, ctx: int = 512) -> list[torch.Tensor]:
     return [torch.tensor(ids[i : i + ctx]) for i in range(0, len(ids) - ctx + 1, ctx)]
 
 
-def _dequantised(out: Path) -> dict[str, torch.Tensor]:
-    """{module: fp32 [N, K]} of every quantised module of the checkpoint at ``out`` (one level: bf16 embeddings)."""
+def module_codes(out: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+    """{module: (codes uint8 [N, K], scales_and_zeros bf16 [K/G, N, 2], G)} of every quantised module of the
+    checkpoint at ``out`` (one level: bf16 embeddings). Also used by benchmarks/learned_rounding.py."""
     ckpt, man = open_checkpoint(out), read_manifest(out)
     layout = tg.TinygemmLayout.from_json(man.layout)
     res = {}
     for m in man.quantized_modules:
         n, half = ckpt.tensors[f"{m}.qweight"].shape
-        q = tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout)
-        res[m] = tg.dequantize(q, ckpt.read(f"{m}.scales_and_zeros"), man.group_size(m))
+        res[m] = (tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout), ckpt.read(f"{m}.scales_and_zeros"),
+                  man.group_size(m))
     return res
+
+
+def _dequantised(out: Path) -> dict[str, torch.Tensor]:
+    """{module: fp32 [N, K]} of every quantised module of the checkpoint at ``out``."""
+    return {m: tg.dequantize(q, sz, g) for m, (q, sz, g) in module_codes(out).items()}
 
 
 @torch.no_grad()

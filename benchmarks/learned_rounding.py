@@ -24,12 +24,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_clipping import windows, score  # noqa
+from layer_sensitivity import module_codes  # noqa
 from edgeq.convert.pipeline import convert
 from edgeq.convert.calibrated import GPTQOptions
 from edgeq.convert.selfcal import sample_windows
-from edgeq.io.manifest import read_manifest
-from edgeq.io.hf import open_checkpoint
-from edgeq.layouts import tinygemm as tg
 from edgeq.scheme import Scheme
 from edgeq.keys import DATA
 
@@ -52,15 +50,7 @@ BEST = args.get("best", "1") == "1"  # keep the step with the lowest batch loss 
 
 
 def codes(out):
-    ckpt, man = open_checkpoint(out), read_manifest(out)
-    layout = tg.TinygemmLayout.from_json(man.layout)
-    res = {}
-    for m in man.quantized_modules:
-        n, half = ckpt.tensors[f"{m}.qweight"].shape
-        q = tg.unpack(ckpt.read(f"{m}.qweight"), n, 2 * half, layout)
-        sz = ckpt.read(f"{m}.scales_and_zeros").float()
-        res[m] = (q.to(torch.int64) - 8, sz, man.group_size(m))
-    return res
+    return {m: (q.to(torch.int64) - 8, sz.float(), g) for m, (q, sz, g) in module_codes(out).items()}
 
 
 def signed_descent(ps, batch_loss, clamp, label, decay, best):
