@@ -61,12 +61,11 @@ ARMS = {  # name: [(tensor-name regex, group size)], first match wins; everythin
     "first-layer-gate-up-g32": [(_L0 + r"mlp\.(gate|up)_proj", 32)],
 }
 _KV_DOWN = [(r"lm_head\.weight$", 32), (r"self_attn\.[kv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)]
+_FAMILY_BEFORE = [(r"lm_head\.weight$", 32), (r"self_attn\.[qkv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)]
 RTN_ARMS = {  # everything else at the base g128
-    "family-before": [(r"lm_head\.weight$", 32), (r"self_attn\.[qkv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)],
-    "family-before+first-layer": [(_L0, 32),  # recipes/llama.toml now (r"lm_head\.weight$", 32), (r"self_attn\.[qkv]_proj\.weight$", 32),
-                                  (r"mlp\.down_proj\.weight$", 32)],
-    "family-before+first-layer-mlp": [(_L0 + r"mlp\.", 32), (r"lm_head\.weight$", 32),
-                                      (r"self_attn\.[qkv]_proj\.weight$", 32), (r"mlp\.down_proj\.weight$", 32)],
+    "family-before": _FAMILY_BEFORE,
+    "family-before+first-layer": [(_L0, 32)] + _FAMILY_BEFORE,  # recipes/llama.toml now
+    "family-before+first-layer-mlp": [(_L0 + r"mlp\.", 32)] + _FAMILY_BEFORE,
     "first-layer,head,kv,down": [(_L0, 32)] + _KV_DOWN,  # q_proj apart from k/v: vLLM cannot serve it (fused qkv)
     "first-layer-mlp,head,kv,down": [(_L0 + r"mlp\.", 32)] + _KV_DOWN,
 }
