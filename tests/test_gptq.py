@@ -11,7 +11,7 @@ from edgeq.layouts import gptq as lg
 from edgeq.layouts import tinygemm as tg
 from edgeq.quantize import rtn
 from edgeq.quantize.gptq import concat_rows, gptq_quantize
-from edgeq.quantize.hessian import HessianAccumulator, prepare_hessian
+from edgeq.quantize.hessian import HessianAccumulator, asymmetric_shift, prepare_hessian
 from helpers.gptq import make_gptq, pack_gptq, to_int32
 
 LAYOUT = tg.probe()
@@ -228,6 +228,56 @@ def test_hessian_accumulator():
         acc.hessian()
     with pytest.raises(EdgeqError, match="calibration input has 7 features, the Hessian expects K=8"):
         acc.add(torch.zeros(2, 7))
+
+
+def test_cross_term_accumulates_and_pairs_inputs():
+    """``cross()`` is 2/n X~^T X over batches; the float inputs must pair with the quantised ones."""
+    g = torch.Generator().manual_seed(3)
+    xq, xf = torch.randn(50, 6, generator=g), torch.randn(50, 6, generator=g)
+    acc = HessianAccumulator(6, name="m", cross=True)
+    acc.add(xq[:20], xf[:20])
+    acc.add(xq[20:].to(torch.bfloat16).float(), xf[20:].to(torch.bfloat16).float())
+    ref = xq.clone()
+    ref[20:] = ref[20:].to(torch.bfloat16).float()
+    ref_f = xf.clone()
+    ref_f[20:] = ref_f[20:].to(torch.bfloat16).float()
+    assert torch.allclose(acc.cross().double(), 2.0 / 50 * ref.double().t() @ ref_f.double(), atol=1e-5)
+    assert torch.allclose(acc.hessian().double(), 2.0 / 50 * ref.double().t() @ ref.double(), atol=1e-5)
+    with pytest.raises(EdgeqError, match=r"m: the float inputs None do not pair with the inputs \[2, 6\]"):
+        acc.add(torch.zeros(2, 6))
+    with pytest.raises(EdgeqError, match="made without cross=True"):
+        HessianAccumulator(6, name="m").cross()
+
+
+def test_asymmetric_shift_worked_example_and_least_squares():
+    """The docstring's K = 1 example (X~ = 0.9 X: V = 10/9 W); C = H gives S = 0 exactly; and with a tiny ridge V is
+    the least-squares fit of the float outputs X W^T from the quantised inputs X~ (torch.linalg.lstsq)."""
+    x = torch.tensor([[1.0], [2.0], [-3.0]])
+    h, c = 2 / 3 * (0.9 * x).t() @ (0.9 * x), 2 / 3 * (0.9 * x).t() @ x
+    s = asymmetric_shift(h, c, damp=1e-9, tokens=10**9)
+    assert abs(float(s) - 1 / 9) < 1e-6
+    g = torch.Generator().manual_seed(0)
+    xf = torch.randn(400, 12, generator=g, dtype=torch.float64) @ torch.randn(12, 12, generator=g, dtype=torch.float64)
+    xq = xf + 0.1 * torch.randn(400, 12, generator=g, dtype=torch.float64)  # the inputs after quantised layers
+    w = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    hq = (2 / 400 * xq.t() @ xq).float()
+    assert torch.equal(asymmetric_shift(hq, hq.clone(), damp=0.01, tokens=400), torch.zeros(12, 12))
+    s = asymmetric_shift(hq, (2 / 400 * xq.t() @ xf).float(), damp=1e-7, tokens=10**9)  # no ridge: least squares
+    v = w + w @ s.double()
+    v_ref = torch.linalg.lstsq(xq, xf @ w.t()).solution.t()
+    assert float((v - v_ref).abs().max()) < 1e-3 * float(v_ref.abs().max())
+    # the ridge pulls towards W, the more so the fewer tokens per input: max(damp, K / n) of the mean diagonal
+    v_400 = w + w @ asymmetric_shift(hq, (2 / 400 * xq.t() @ xf).float(), damp=1e-7, tokens=400).double()
+    v_24 = w + w @ asymmetric_shift(hq, (2 / 400 * xq.t() @ xf).float(), damp=1e-7, tokens=24).double()
+    assert float((v_24 - w).norm()) < float((v_400 - w).norm()) < float((v - w).norm())
+    lam = 12 / 400 * float(hq.diagonal().mean())  # K / n = 0.03 of the mean diagonal, by hand
+    v_hand = w + w @ torch.linalg.solve(hq.double() + lam * torch.eye(12, dtype=torch.float64),
+                                        (2 / 400 * xq.t() @ xf) - hq.double()).t()
+    assert float((v_400 - v_hand).abs().max()) < 1e-4 * float(v_hand.abs().max())
+    with pytest.raises(EdgeqError, match=r"m: the Hessian \[12, 12\] and the cross term \[12, 11\]"):
+        asymmetric_shift(hq, hq[:, :11], 0.01, 400, name="m")
+    with pytest.raises(EdgeqError, match="is not positive definite; use --gptq-target layer"):
+        asymmetric_shift(-torch.eye(3), torch.eye(3), 0.01, 400)
 
 
 def test_identity_hessian_is_rtn():

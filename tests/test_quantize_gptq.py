@@ -615,6 +615,35 @@ def test_gptq_params_reach_the_sweep_and_are_refused_elsewhere(tmp_path, capsys,
     assert not (tmp_path / "no").exists()
 
 
+def test_gptq_target_reaches_the_driver_and_is_refused_elsewhere(tmp_path, capsys, tiny_float):
+    """--gptq-target layer: the checkpoint is the driver's layer-target result (the default, float, differs from o_proj
+    on) and the manifest and notes say which; with another method, with gptqmodel or with a bad value: one line,
+    exit 2, nothing written. A recipe whose method is gptq takes the option without --method."""
+    from edgeq.convert.calibrate import calibration_windows, gptq_model
+    from edgeq.convert.calibrated import compute_dtype
+    from edgeq.scheme import Scheme
+
+    src, calib = tiny_float
+    report = quantize_cli(src, tmp_path / "la", capsys, *GPTQ_ARGS, "--calib", str(calib), "--gptq-target", "layer")
+    assert json.loads((tmp_path / "la" / "edgeq_manifest.json").read_text())["gptq"]["target"] == "layer"
+    assert any("group parameters search, target layer" in n for n in report["notes"])
+    windows = calibration_windows(src, calib.read_text(), 3, 48)
+    dtype = compute_dtype()
+    layer = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), target="layer", compute_dtype=dtype))
+    default = dict(gptq_model(src, windows, Scheme.parse("w4a16-g32"), compute_dtype=dtype))
+    for m in BODY:
+        q, sz, _, _ = read_module(tmp_path / "la", m, 32)
+        assert torch.equal(q, layer[m].q) and torch.equal(sz, layer[m].scales_and_zeros), m
+    assert any(not torch.equal(layer[m].q, default[m].q) for m in BODY)
+    for extra, words in ((["--gptq-target", "layer"], "--gptq-target"),
+                         (["--method", "rtn", "--gptq-target", "float"], "--gptq-target float: applies to --method gptq"),
+                         (["--method", "gptq", "--gptq-target", "exact"], "--gptq-target exact: must be one of float, layer"),
+                         (["--method", "gptqmodel", "--gptq-target", "layer"], "not to --method gptqmodel")):
+        code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "no"), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "no").exists()
+
+
 def test_method_gptq_without_act_order_and_ctrl_c(tmp_path, tiny_float):
     from edgeq.convert.calibrated import GPTQOptions
     from edgeq.convert.pipeline import convert

@@ -27,6 +27,10 @@ _CALIB_HELP = ("--method gptq: calibration text, or 'self': token ids sampled fr
 _GPTQ_PARAMS_HELP = ("--method gptq: each group's scale and zero, chosen when the sweep reaches it: search (the rtn "
                      "least-squares search on its error-updated values) | minmax (GPTQ's original; the default "
                      "before 2026-12-02) [default: search].")
+_GPTQ_TARGET_HELP = ("--method gptq: what each Linear's quantised weights are fitted to, on its inputs in the quantised "
+                     "model: float (the float model's outputs: later Linears make up for earlier errors; a second copy "
+                     "of the calibration activations) | layer (the Linear's own float weights: GPTQ as published; the "
+                     "default before 2026-12-04) [default: float].")
 
 
 def quantize(
@@ -52,6 +56,7 @@ def quantize(
     damp: Optional[float] = typer.Option(None, "--damp", help="--method gptq: dampening, a fraction of the mean Hessian "
                                          "diagonal [default: 0.01]."),
     gptq_params: Optional[str] = typer.Option(None, "--gptq-params", help=_GPTQ_PARAMS_HELP),
+    gptq_target: Optional[str] = typer.Option(None, "--gptq-target", help=_GPTQ_TARGET_HELP),
     embeddings: Optional[str] = typer.Option(None, "--embeddings", help="packed (4-bit: the head's levels plus a "
                                              "residual, tinygemm schemes) | bf16 [default: the recipe's "
                                              "embeddings_storage; w4a8: bf16]."),
@@ -76,7 +81,8 @@ def quantize(
     parsed = Scheme.parse(chosen) if chosen else None
     check_method(method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize, head_from=head_from,
-                       gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed, gptq_params),
+                       gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed, gptq_params,
+                                          gptq_target),
                        embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
     if dry_run:
@@ -112,7 +118,7 @@ def _extra_reads(plan) -> int:
     return e.bytes_in if e is not None and e.levels[0].own else 0
 
 
-def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None, group_params=None):
+def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None, group_params=None, target=None):
     """GPTQOptions for --method gptq (defaults filled in); None when no calibration option is given otherwise, so
     that prepare() can refuse calibration options without --method gptq."""
     from edgeq.convert.calibrated import GPTQOptions  # noqa: PLC0415
@@ -120,14 +126,15 @@ def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None, g
     if seed is not None and str(calib) != "self":
         raise EdgeqError(f"--calib-seed {seed}: seeds the windows sampled by --calib self; a calibration text has no "
                          f"seed (drop --calib-seed, or add --calib self)")
-    if group_params is not None and method != "gptq":
-        raise EdgeqError(f"--gptq-params {group_params}: applies to --method gptq (edgeq's own GPTQ sweep), not to "
-                         f"--method {method or 'rtn'}; drop it or add --method gptq")
+    for flag, value in (("--gptq-params", group_params), ("--gptq-target", target)):
+        if value is not None and method not in (None, "gptq"):  # None: the recipe's method decides (prepare())
+            raise EdgeqError(f"{flag} {value}: applies to --method gptq (edgeq's own GPTQ sweep), not to "
+                             f"--method {method or 'rtn'}; drop it or add --method gptq")
     if seed is not None and not 0 <= seed < 2**63:
         raise EdgeqError(f"--calib-seed {seed}: must be in [0, 2^63)")
     given = {k: v for k, v in (("calib", str(calib) if calib else None), ("nsamples", nsamples), ("seqlen", seqlen),
                                ("act_order", act_order), ("damp", damp), ("seed", seed),
-                               ("group_params", group_params)) if v is not None}
+                               ("group_params", group_params), ("target", target)) if v is not None}
     if method != "gptq" and not given:
         return None
     return GPTQOptions(**given)

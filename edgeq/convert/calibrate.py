@@ -39,12 +39,13 @@ from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
 from edgeq.quantize.gptq import GROUP_PARAMS, GPTQResult, concat_rows, gptq_quantize
-from edgeq.quantize.hessian import HessianAccumulator, PreparedHessian, prepare_hessian
+from edgeq.quantize.hessian import HessianAccumulator, PreparedHessian, asymmetric_shift, prepare_hessian
 from edgeq.scheme import Scheme
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROW_BLOCK_ELEMENTS = 16 << 20  # head row blocks: ~16M weights (64 MB fp32 per working copy)
 BATCH_TOKENS = 2048  # tokens per forward batch (whole windows)
+TARGETS = ("float", "layer")  # what each Linear is fitted to (gptq_model); the first is the default
 
 Progress = Callable[[int, int, str], None]  # (done, total, label): layers done of n_layers + 1 (the head)
 Observer = Callable[[str, torch.Tensor], None]  # (module name of a Hessian group's first member, H [K, K] fp32)
@@ -145,9 +146,14 @@ class _LayerRunner:
         mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu_(1)
         self.mask = mask[None, None]
 
-    def __call__(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: nn.Module, h: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+        """The layer's output on ``h``; with ``params`` (name -> tensor) the layer runs with those weights instead."""
+        kwargs = {"attention_mask": self.mask, "position_ids": self.position_ids, "position_embeddings": self.cos_sin}
         with torch.no_grad():
-            out = layer(h, attention_mask=self.mask, position_ids=self.position_ids, position_embeddings=self.cos_sin)
+            if params is None:
+                out = layer(h, **kwargs)
+            else:
+                out = torch.func.functional_call(layer, params, (h,), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -180,29 +186,44 @@ def _discover_groups(layer: nn.Module, run: _LayerRunner, h: torch.Tensor, prefi
     return groups
 
 
-def _hessian_for(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, name: str) -> torch.Tensor:
-    acc = HessianAccumulator(linear.in_features, name)
+def _group_input(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+    """The input ``linear`` receives when ``layer`` (with ``params`` in place of its own, if given) runs on ``h``;
+    the rest of the layer is not run."""
+    got = []
 
     def grab(mod, args):
-        acc.add(args[0])
+        got.append(args[0])
         raise _StopForward
 
     handle = linear.register_forward_pre_hook(grab)
     try:
-        for sl in _batches(h.shape[0], h.shape[1]):
-            try:
-                run(layer, h[sl])
-            except _StopForward:
-                pass
+        try:
+            run(layer, h, params)
+        except _StopForward:
+            pass
     finally:
         handle.remove()
-    return acc.hessian()
+    return got[0]
+
+
+def _hessian_for(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, name: str,
+                 hf: torch.Tensor | None = None, float_params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(H, C)``: ``H = 2/n X~^T X~`` over the inputs X~ ``linear`` receives in the layer as it is (earlier groups
+    quantised) on ``h``; with the float stream (``hf``, the float model's inputs to this layer, and the layer's float
+    weights ``float_params``) also ``C = 2/n X~^T X`` against the inputs X the float model gives it (else None)."""
+    acc = HessianAccumulator(linear.in_features, name, cross=hf is not None)
+    for sl in _batches(h.shape[0], h.shape[1]):
+        xf = _group_input(layer, linear, run, hf[sl], float_params) if hf is not None else None
+        acc.add(_group_input(layer, linear, run, h[sl]), xf)
+    return acc.hessian(), (acc.cross() if hf is not None else None)
 
 
 def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Tensor, scheme: Scheme, opts: dict, keep_w_hat: bool,
-                   prep: PreparedHessian | None = None) -> GPTQResult:
+                   prep: PreparedHessian | None = None, shift: torch.Tensor | None = None) -> GPTQResult:
     """GPTQ one weight (read from the checkpoint) in row blocks under one factorisation of H (``prep``, shared by
-    the modules that read one input; made here if None)."""
+    the modules that read one input; made here if None). ``shift`` (fp32 [K, K], :func:`asymmetric_shift`): each
+    row block ``w`` is quantised as ``v = w + w @ shift``, the target that makes up for the quantised inputs; the
+    result's output error is then GPTQ's fit to v under H, its per-row squared errors those against w."""
     info = ckpt.tensors.get(tensor)
     if info is None:
         raise EdgeqError(f"{ckpt.root}: tensor {tensor} not found")
@@ -214,13 +235,17 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
     for a in range(0, n, step):
         b = min(n, a + step)
         w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
-        parts.append(
-            gptq_quantize(
-                w, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
-                static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat, prepared=prep,
-                group_params=opts["group_params"],
-            )
+        v = w if shift is None else w.to(torch.float32).addmm(w.to(torch.float32), shift)
+        r = gptq_quantize(
+            v, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
+            static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat or shift is not None,
+            prepared=prep, group_params=opts["group_params"],
         )
+        if shift is not None:  # the weight error against the checkpoint's weights, not against the target
+            err = w.to(torch.float64) - _natural_w_hat(r)
+            r = replace(r, sq_error=err.square().sum(-1), sq_norm=w.to(torch.float64).square().sum(-1),
+                        w_hat=r.w_hat if keep_w_hat else None)
+        parts.append(r)
     return parts[0] if len(parts) == 1 else concat_rows(parts)
 
 
@@ -243,6 +268,7 @@ def gptq_model(
     head_module: str = HEAD_MODULE,
     group_sizes: dict[str, int] | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
+    target: str = "float",
     progress: Progress | None = None,
     observe: Observer | None = None,
 ) -> Iterator[tuple[str, GPTQResult]]:
@@ -255,9 +281,11 @@ def gptq_model(
     the embeddings (0), each layer and the head (total = layers + 1). ``observe(name, H)`` sees each Hessian (for
     tests and diagnostics). ``group_sizes``: ``{module: G}`` for modules quantised with another group size than the
     scheme's. ``group_params``: how GPTQ picks each group's (scale, zero) (:data:`edgeq.quantize.gptq.GROUP_PARAMS`).
+    ``target`` (:data:`TARGETS`): ``"float"`` fits each Linear, on its quantised inputs, to the float model's outputs
+    (a second stream of activations, :func:`asymmetric_shift`); ``"layer"`` to its own float weights (GPTQ as published).
     """
-    t0 = time.perf_counter()
-    root = Path(model_dir)
+    _check_target(target)
+    t0, root = time.perf_counter(), Path(model_dir)
     ckpt = open_checkpoint(root)
     config, model = _build_skeleton(root, compute_dtype)
     _check_windows(windows, config)
@@ -267,61 +295,78 @@ def gptq_model(
     head_tensor = head_source or (f"{head_module}.weight" if f"{head_module}.weight" in ckpt.tensors else embed_name)
     opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size,
             "group_params": group_params, "group_sizes": dict(group_sizes or {})}
-    s, t = windows.shape
-    run = _LayerRunner(model, config, t, compute_dtype)
+    run = _LayerRunner(model, config, windows.shape[1], compute_dtype)
     total = len(base.layers) + 1
     report = progress or (lambda done, total, label: None)
 
     h = _embed(ckpt, embed_name, windows.long(), compute_dtype)
+    hf = h.clone() if target == "float" else None  # the float model's stream (the embeddings are read unquantised)
     report(0, total, "embeddings")
     for i, layer in enumerate(base.layers):
         prefix = names[id(layer)] + "."
-        h = yield from _calibrate_layer(ckpt, layer, prefix, h, run, scheme, opts, keep, observe, compute_dtype)
+        h, hf = yield from _calibrate_layer(ckpt, layer, prefix, h, run, scheme, opts, keep, observe, compute_dtype, hf)
         report(i + 1, total, f"layer {i + 1}/{total - 1} ({time.perf_counter() - t0:.0f}s)")
 
-    H = _head_hessian(ckpt, base.norm, names[id(base.norm)] + ".", h, head_module, compute_dtype)
-    del h
+    H, shift = _head_hessian(ckpt, base.norm, names[id(base.norm)] + ".", h, head_module, compute_dtype, hf, damp)
+    del h, hf
     if observe:
         observe(head_module, H)
-    yield head_module, _quantize_rows(ckpt, head_tensor, head_module, H, scheme, opts, keep_w_hat=False)
+    yield head_module, _quantize_rows(ckpt, head_tensor, head_module, H, scheme, opts, keep_w_hat=False, shift=shift)
     report(total, total, f"{head_module} ({time.perf_counter() - t0:.0f}s)")
 
 
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise EdgeqError(f"GPTQ target {target!r} is not one of {', '.join(TARGETS)}")
+
+
 def _head_hessian(ckpt: Checkpoint, norm: nn.Module, prefix: str, h: torch.Tensor, head_module: str,
-                  compute_dtype: torch.dtype) -> torch.Tensor:
-    """Step 3 of the module docstring: the head's Hessian from the final norm of the last layer's outputs ``h``."""
+                  compute_dtype: torch.dtype, hf: torch.Tensor | None, damp: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 3 of the module docstring: the head's Hessian from the final norm of the last layer's outputs ``h``, and
+    with the float stream ``hf`` the shift towards the float model's logits (:func:`asymmetric_shift`; else None)."""
     s, t = h.shape[:2]
     _read_into(ckpt, norm, prefix, compute_dtype)
-    acc = HessianAccumulator(h.shape[-1], head_module)
+    acc = HessianAccumulator(h.shape[-1], head_module, cross=hf is not None)
     with torch.no_grad():
         for sl in _batches(s, t):
-            acc.add(norm(h[sl]))
-    return acc.hessian()
+            acc.add(norm(h[sl]), norm(hf[sl]) if hf is not None else None)
+    H = acc.hessian()
+    return H, (asymmetric_shift(H, acc.cross(), damp, acc.n, name=head_module) if hf is not None else None)
 
 
 def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.Tensor, run: _LayerRunner,
-                     scheme: Scheme, opts: dict, keep, observe: Observer | None, compute_dtype: torch.dtype):
+                     scheme: Scheme, opts: dict, keep, observe: Observer | None, compute_dtype: torch.dtype,
+                     hf: torch.Tensor | None = None):
     """One decoder layer (step 2 of the module docstring): yields its ``(module, GPTQResult)`` group by group and
-    returns its outputs on ``h`` (the next layer's inputs); the layer is released (back to meta) at the end."""
+    returns its outputs on ``h`` (the next layer's inputs) and, with a float stream ``hf``, the float layer's outputs
+    on ``hf``; the layer is released (back to meta) at the end."""
     s, t = h.shape[:2]
+    tokens = s * t
     _read_into(ckpt, layer, prefix, compute_dtype)
     linears = dict(layer.named_modules())
+    float_params = {n: p.detach().clone() for n, p in layer.named_parameters()} if hf is not None else None
     for group in _discover_groups(layer, run, h[_batches(s, t)[0]], prefix):
         todo = [n for n in group if prefix + n not in keep]
         if not todo:
             continue
-        H = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0])
+        H, C = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0], hf, float_params)
         if observe:
             observe(prefix + group[0], H)
         prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
+        shift = asymmetric_shift(H, C, opts["damp"], tokens, name=prefix + group[0]) if C is not None else None
+        del C  # consumed by the shift
         for n in todo:
-            r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True, prep=prep)
+            r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True, prep=prep,
+                               shift=shift)
             with torch.no_grad():
                 linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
             yield prefix + n, replace(r, w_hat=None)
-        del H, prep
+        del H, prep, shift
     out = torch.empty_like(h)
+    out_f = torch.empty_like(hf) if hf is not None else None
     for sl in _batches(s, t):
         out[sl] = run(layer, h[sl])
+        if out_f is not None:
+            out_f[sl] = run(layer, hf[sl], float_params)
     layer.to_empty(device="meta")  # release this layer's weights
-    return out
+    return out, out_f

@@ -21,7 +21,7 @@ import torch
 
 from edgeq import cpu, env
 from edgeq.convert import selfcal, w4a16
-from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, calibration_windows, gptq_model
+from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES, TARGETS, calibration_windows, gptq_model
 from edgeq.convert.embeddings import write_levels
 from edgeq.convert.plan import Plan, PlanEntry, build_plan, group_sizes, packed_bytes
 from edgeq.convert.recipe import Recipe
@@ -59,6 +59,7 @@ class GPTQOptions:
     block_size: int = 128
     seed: int = selfcal.SEED  # --calib self only: the sampling seed
     group_params: str = GROUP_PARAMS[0]  # each group's (scale, zero): the rtn search, or GPTQ's original min/max
+    target: str = TARGETS[0]  # fit each Linear to the float model's outputs, or to its own float weights (docs/gptq.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calib", str(self.calib))  # a Path from the CLI
@@ -77,6 +78,8 @@ class GPTQOptions:
             raise EdgeqError(f"--nsamples {self.nsamples} / --seqlen {self.seqlen}: need at least 1 window of at least 2 tokens")
         if self.group_params not in GROUP_PARAMS:
             raise EdgeqError(f"--gptq-params {self.group_params}: must be one of {', '.join(GROUP_PARAMS)}")
+        if self.target not in TARGETS:
+            raise EdgeqError(f"--gptq-target {self.target}: must be one of {', '.join(TARGETS)}")
         if not 0.0 < self.damp <= 1.0:
             raise EdgeqError(f"--damp {self.damp}: must be in (0, 1] (a fraction of the mean Hessian diagonal; default 0.01)")
         if self.calib_file is None:
@@ -254,7 +257,8 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
     dtype = compute_dtype()
     results = gptq_model(ckpt.root, windows, plan.scheme, damp=opts.damp, act_order=opts.act_order,
                          block_size=opts.block_size, group_params=opts.group_params, keep=keep, head_source=plan.head.source,
-                         head_module=plan.head_module, group_sizes=group_sizes(plan), compute_dtype=dtype, progress=layers)
+                         head_module=plan.head_module, group_sizes=group_sizes(plan), compute_dtype=dtype,
+                         target=opts.target, progress=layers)
     errors, rel_out, damp_used, anon_peak = {}, {}, {}, 0
     try:
         for name, r in results:
@@ -280,6 +284,6 @@ def stream_gptq(ckpt: Checkpoint, plan: Plan, order: list[PlanEntry], record: Ti
         anon_peak = max(anon_peak, rss()[0])
     details = {"act_order": opts.act_order, "damp": opts.damp, "block_size": opts.block_size,
                "compute_dtype": str(dtype).removeprefix("torch."),
-               "group_params": opts.group_params,
+               "group_params": opts.group_params, "target": opts.target,
                "damp_escalated": damp_used, "relative_output_error": rel_out, "held_peak_bytes": sink.held_peak}
     return {"errors": errors, "anon_peak": anon_peak, "details": details, "embeddings": embeddings}

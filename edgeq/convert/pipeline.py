@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from edgeq.convert.calibrated import GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
+from edgeq.convert.calibrated import GROUP_PARAMS, TARGETS, GPTQOptions, calibration, gptq_plan, stream_gptq, write_order
 from edgeq.convert.embeddings import describe as describe_embeddings
 from edgeq.convert.embeddings import format_version, pack_plan, resolve_head_levels, resolve_storage
 from edgeq.convert.gptqmodel import METHOD as GPTQMODEL
@@ -147,7 +147,11 @@ def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_
         raise EdgeqError(f"{src}: --requantize and --head-from apply to GPTQ input; this checkpoint is not quantised")
     method = method or recipe.method
     if gptq is not None and method not in ("gptq", GPTQMODEL):
-        raise EdgeqError("--calib, --nsamples, --seqlen, --act-order and --damp apply to --method gptq (and gptqmodel)")
+        raise EdgeqError(f"--calib, --nsamples, --seqlen, --act-order, --damp, --gptq-params and --gptq-target apply to "
+                         f"--method gptq (the first five also to gptqmodel), not to --method {method}")
+    if gptq is not None and method == GPTQMODEL and (gptq.group_params, gptq.target) != (GROUP_PARAMS[0], TARGETS[0]):
+        raise EdgeqError("--gptq-params and --gptq-target choose how edgeq's own GPTQ sweep works; GPTQModel "
+                         "(--method gptqmodel) has its own: drop them, or use --method gptq")
     scheme = scheme or Scheme.parse(recipe.scheme)
     packer(scheme.kernel).check_options(scheme, method)
     if method == "gptq":

@@ -112,7 +112,7 @@ def notes(plan: Plan, details: dict) -> list[str]:
         g = details.get("gptq", {})
         c = g.get("calibration", {})
         lines = [f"GPTQ calibration: {describe_calibration(c)}, act_order={g.get('act_order')}, damp={g.get('damp')}, "
-                 f"group parameters {g.get('group_params', 'minmax')}"]
+                 f"group parameters {g.get('group_params', 'minmax')}, target {g.get('target', 'layer')}"]
         if g.get("damp_escalated"):
             lines.append(f"dampening raised for {len(g['damp_escalated'])} module(s): {g['damp_escalated']}")
         return lines

@@ -22,19 +22,26 @@ class HessianAccumulator:
     accumulator (4 K^2 bytes: 320 MB at K = 8960). bf16 activations widen to fp32 exactly.
     """
 
-    def __init__(self, k: int, name: str = "input"):
+    def __init__(self, k: int, name: str = "input", cross: bool = False):
         self.k = int(k)
         self.name = name
         self.n = 0
         self._sum = torch.zeros(self.k, self.k, dtype=torch.float32)
+        self._cross = torch.zeros(self.k, self.k, dtype=torch.float32) if cross else None
 
-    def add(self, x: torch.Tensor) -> None:
-        """Add tokens ``x [..., K]`` (any float dtype)."""
+    def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
+        """Add tokens ``x [..., K]`` (any float dtype); with ``cross``, also ``x_float``: the same tokens' inputs in the
+        float model, for :meth:`cross`."""
         if x.shape[-1] != self.k:
             raise EdgeqError(f"{self.name}: calibration input has {x.shape[-1]} features, the Hessian expects K={self.k}")
+        if (x_float is None) != (self._cross is None) or (x_float is not None and x_float.shape != x.shape):
+            raise EdgeqError(f"{self.name}: the float inputs {None if x_float is None else list(x_float.shape)} do not "
+                             f"pair with the inputs {list(x.shape)}")
         x2 = x.detach().reshape(-1, self.k).to(torch.float32)
         if x2.shape[0]:
             self._sum.addmm_(x2.t(), x2)
+            if self._cross is not None:
+                self._cross.addmm_(x2.t(), x_float.detach().reshape(-1, self.k).to(torch.float32))
             self.n += x2.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -42,6 +49,13 @@ class HessianAccumulator:
         if self.n == 0:
             raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
         return self._sum * (2.0 / self.n)
+
+    def cross(self) -> torch.Tensor:
+        """float32 [K, K] ``2/n * sum x x_float^T``: the cross term of :func:`asymmetric_shift`."""
+        if self._cross is None:
+            raise EdgeqError(f"{self.name}: this accumulator was made without cross=True")
+        self.hessian()  # the same check: some tokens arrived
+        return self._cross * (2.0 / self.n)
 
 
 def _inverse_upper(r: torch.Tensor, leaf: int = 512) -> torch.Tensor:
@@ -94,6 +108,45 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Te
         f"{name}: the Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite even with dampening "
         f"{steps[-1]} x mean(diag) (mean diag {mean:.3g}); calibrate with more or longer samples, or use --method rtn"
     )
+
+
+def asymmetric_shift(H: torch.Tensor, C: torch.Tensor, damp: float, tokens: int, *, name: str = "weight") -> torch.Tensor:
+    """The shift S (fp32 [K, K]) that turns a weight W [N, K] into the GPTQ target ``V = W + W S`` when its inputs
+    are quantised: V minimises ``||X~ V^T - X W^T||^2 + lam ||V - W||^2`` (X~ [n, K] the inputs in the quantised
+    model, X the float model's, ``H = 2/n X~^T X~``, ``C = 2/n X~^T X``: :meth:`HessianAccumulator.cross`,
+    ``lam = max(damp, K / n) * mean(diag H)`` with n = ``tokens``)::
+
+        (H + lam I) V^T = C W^T + lam W^T   =>   V = W + W S,  S = ((H + lam I)^-1 (C - H))^T
+
+    GPTQ of V under H then minimises the error of ``X~ W_hat^T`` against the float outputs ``X W^T``: the least-squares
+    residual of V is orthogonal to X~'s columns, so ``||X~ W_hat^T - X W^T||^2 = ||X~ (W_hat - V)^T||^2 + const``
+    (exactly at lam = 0). The ridge pulls V towards W, not towards 0, so equal inputs (X~ = X: C = H) give S = 0.
+    It grows with K / n because V has K free values per row fitted to n tokens: on the bundled model (K up to 768)
+    GPTQ's 1% alone overfits 1,024 calibration tokens (held-out KLD above the plain GPTQ target's), K / n does not,
+    and at 8,192 tokens both are equal (docs/gptq.md, "The float target").
+    Worked example (K = 1): X~ = 0.9 X, so H = 0.81 h, C = 0.9 h (h = 2/n x.x); at lam = 0, S = (0.9 - 0.81) / 0.81
+    = 1/9 and V = 10/9 W: X~ V = X W. Cost: one Cholesky and a solve with K right-hand sides (~2.3 K^3 flops).
+    ``C`` (fp32) is overwritten (with C - H): at K = 8960 each [K, K] copy is 321 MB. S may be a transposed view.
+    """
+    if H.shape != C.shape or H.dim() != 2 or H.shape[0] != H.shape[1]:
+        raise EdgeqError(f"{name}: the Hessian {list(H.shape)} and the cross term {list(C.shape)} must be one square shape")
+    if tokens < 1:
+        raise EdgeqError(f"{name}: no calibration tokens for the cross term")
+    lam = max(damp, H.shape[0] / tokens) * float(H.diagonal().mean())
+    d = C.sub_(H) if C.dtype == torch.float32 else C.to(torch.float32) - H
+    for dtype in (torch.float32, torch.float64):
+        a = H.to(dtype, copy=True)
+        a.diagonal().add_(lam)
+        low, info = torch.linalg.cholesky_ex(a)
+        del a
+        if int(info):
+            continue
+        t = torch.cholesky_solve(d.to(dtype), low)
+        del low
+        if bool(torch.isfinite(t).all()):
+            return t.t().to(torch.float32)
+    raise EdgeqError(f"{name}: the Hessian [{H.shape[0]}x{H.shape[0]}] plus {damp} x mean(diag) is not positive definite; "
+                     "use --gptq-target layer, or a larger --damp")
 
 
 @dataclass(frozen=True)
