@@ -82,7 +82,13 @@ EDGEQ_ARMS = {
     "gptq-packed-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, None),
     "gptq-head2-minmax": ("w4a16-g128", "gptq:minmax", "family", "packed", None, 2),
     "quality-bytes-minmax": ("w4a16-g256", "gptq:minmax", "quality", "packed", "self", 2),
+    # GPTQ fitted to each Linear's own float weights (--gptq-target layer; the default before 2026-12-04)
+    "gptq-self-layer": ("w4a16-g128", "gptq", "family", "packed", "self", None),
+    "gptq-head2-layer": ("w4a16-g128", "gptq", "family", "packed", None, 2),
+    "quality-bytes-layer": ("w4a16-g256", "gptq", "quality", "packed", "self", 2),
+    "quality-bytes-text-layer": ("w4a16-g256", "gptq", "quality", "packed", None, 2),
 }
+GPTQ_TARGET = {label: "layer" for label in EDGEQ_ARMS if label.endswith("-layer")}  # --gptq-target; else the default
 # label -> llama_cpp's ftype constant; BF16: the converted file, scored as it is (no quantisation)
 LLAMA_FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "BF16": None}
@@ -122,6 +128,8 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None, mode
     method, _, params = (method or "").partition(":")
     method = method or None
     own = {"group_params": params} if params else {}
+    if label in GPTQ_TARGET:
+        own["target"] = GPTQ_TARGET[label]
     gptq = GPTQOptions(**({"calib": calib} if calib else {}), **own) if method == "gptq" else None
     extra = {"embeddings": embeddings} if embeddings else {}  # only then: runs on an edgeq without --embeddings too
     if head_levels:
