@@ -17,9 +17,15 @@ decoder layer, in execution order, then for the head (``head_module``: the recip
 3. The head's Hessian comes from the final norm applied to the last layer's (quantised) outputs; the head weight
    (``<head_module>.weight``, or the embedding table when tied) is quantised in row blocks under one factorisation.
 
+With the float target (the default, ``target="float"``) a second stream runs beside the first: the float model's
+activations, through a copy of each layer's float weights, give each group a cross term beside its Hessian, and each
+Linear is quantised towards the float model's outputs (:func:`edgeq.quantize.hessian.asymmetric_shift`).
+
 Peak memory: one layer's weights (compute dtype, plus one Linear in fp32 while it is quantised), the layer's
 Hessians (4 K^2 bytes each), two copies of the calibration activations (S * T * D in the compute dtype) and one
-batch's intermediate activations. The head is processed in row blocks of ~``ROW_BLOCK_ELEMENTS`` weights.
+batch's intermediate activations; the float target adds a copy of the layer's weights, two more copies of the
+activations and, per group, the cross term and the shift (4 K^2 bytes each). The head is processed in row blocks of
+~``ROW_BLOCK_ELEMENTS`` weights.
 
 Attention runs through PyTorch SDPA with an explicit causal mask; windows longer than a model's sliding window are
 refused rather than silently mis-masked.
