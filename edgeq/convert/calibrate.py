@@ -241,16 +241,18 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
     for a in range(0, n, step):
         b = min(n, a + step)
         w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
-        v = w if shift is None else w.to(torch.float32).addmm(w.to(torch.float32), shift)
+        w32 = w.to(torch.float32) if shift is not None else None
+        v = w if w32 is None else w32.addmm(w32, shift)
         r = gptq_quantize(
             v, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
             static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat or shift is not None,
             prepared=prep, group_params=opts["group_params"],
         )
         if shift is not None:  # the weight error against the checkpoint's weights, not against the target
-            err = w.to(torch.float64) - _natural_w_hat(r)
-            r = replace(r, sq_error=err.square().sum(-1), sq_norm=w.to(torch.float64).square().sum(-1),
+            err = (w32 - _natural_w_hat(r)).square_()
+            r = replace(r, sq_error=err.sum(-1, dtype=torch.float64), sq_norm=w32.square().sum(-1, dtype=torch.float64),
                         w_hat=r.w_hat if keep_w_hat else None)
+            del err
         parts.append(r)
     return parts[0] if len(parts) == 1 else concat_rows(parts)
 

@@ -217,10 +217,10 @@ def _result(w: torch.Tensor, H: torch.Tensor, Q: torch.Tensor, W_hat: torch.Tens
     w32 = w.to(torch.float32)
     w_hat_nat = W_hat if perm is None else W_hat[:, torch.argsort(perm)]
     err = w32 - w_hat_nat
-    sq_error = err.double().square().sum(-1)
-    output_error = err_sq - prepared.shift * float(sq_error.sum())
-    if prepared.dead:
-        output_error -= float(err[:, prepared.dead_cols].double().square().sum())
+    sq_error = err.square_().sum(-1, dtype=torch.float64)  # fp32 squares, fp64 sums: no [N, K] fp64 copies
+    dead_sq = float(err[:, prepared.dead_cols].sum(dtype=torch.float64)) if prepared.dead else 0.0
+    output_error = err_sq - prepared.shift * float(sq_error.sum()) - dead_sq
+    del err
     return GPTQResult(
         q=Q,
         scales_and_zeros=sz,
@@ -230,48 +230,60 @@ def _result(w: torch.Tensor, H: torch.Tensor, Q: torch.Tensor, W_hat: torch.Tens
         output_error=max(0.0, output_error),
         output_norm=float(((w32 @ H.to(torch.float32)) * w32).sum(dtype=torch.float64)),
         sq_error=sq_error,
-        sq_norm=w32.double().square().sum(-1),
+        sq_norm=w32.square().sum(-1, dtype=torch.float64),
         w_hat=W_hat if keep_dequantized else None,
     )
 
 
 def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inner: int, how: str,
            threads: int) -> float:
-    """The GPTQ column sweep over W [N, K] (fp32, visit order, updated in place) with U the upper Cholesky factor
-    of the damped H^-1; fills Q (uint8), W_hat (fp32) and, for dynamic groups, scales/zeros [K/G, N]. Returns the
-    sum of the squared scaled errors it propagated (float64), the output error under the damped H (see _result)."""
-    n, k = W.shape
+    """The GPTQ column sweep over W [N, K] (fp32, visit order) with U the upper Cholesky factor of the damped H^-1;
+    fills Q (uint8), W_hat (fp32) and, for dynamic groups, scales/zeros [K/G, N]. Returns the sum of the squared
+    scaled errors it propagated (float64), the output error under the damped H (see _result).
+
+    The sweep runs on the transpose ``WT = W^T`` [K, N], so that each column it visits, quantises, writes and
+    updates is one contiguous row of N floats: on W itself every per-column step strides by K and touches N cache
+    lines (Qwen2.5-1.5B's gate_proj, 8960 x 1536, on 2 Zen 3 cores: 2.8-3.7 s on W, 1.9 s on W^T; docs/gptq.md
+    "Memory order"). The arithmetic per element is the same; the blocked products sum in another order.
+    """
+    k, n = W.shape[1], W.shape[0]
+    WT = W.t().contiguous()
+    QT = torch.empty(k, n, dtype=torch.uint8)
+    WhT = torch.empty(k, n, dtype=torch.float32)
     err_sq = 0.0
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
-        Err = torch.empty(n, i2 - i1, dtype=torch.float32)
+        ErrT = torch.empty(i2 - i1, n, dtype=torch.float32)
         for j1 in range(i1, i2, inner):
             j2 = min(j1 + inner, i2)
-            W1 = W[:, j1:j2]  # a view: updates land in W directly
+            W1 = WT[j1:j2]  # a view: updates land in WT directly
             U1 = U[j1:j2, j1:j2]
             for i in range(j2 - j1):
                 c = j1 + i
                 if static_col_group is not None:
                     j = int(static_col_group[c])
                     scale, zero = scales[j], zeros[j]
-                elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in W[:, c:c+g]
+                elif c % g == 0:  # c == j1 == a sub-block start: every earlier column's update is in WT[c:c+g]
                     with _threads(threads):
-                        s1, z1 = group_qparams(W[:, c : c + g].unsqueeze(1), how)
+                        s1, z1 = group_qparams(WT[c : c + g].t().contiguous().unsqueeze(1), how)
                     scale, zero = s1[:, 0, 0], z1[:, 0, 0]
                     scales[c // g], zeros[c // g] = scale, zero
-                col = W1[:, i]
-                qc, wc = quantize_values(col, scale, zero)
-                Q[:, c] = qc  # the copy casts to uint8
-                W_hat[:, c] = wc
-                e = (col - wc) / U1[i, i]
-                Err[:, c - i1] = e
-                W1[:, i + 1 :].addr_(e, U1[i, i + 1 :], alpha=-1.0)
+                row = W1[i]
+                qc, wc = quantize_values(row, scale, zero)
+                QT[c] = qc  # the copy casts to uint8
+                WhT[c] = wc
+                e = (row - wc) / U1[i, i]
+                ErrT[c - i1] = e
+                W1[i + 1 :].addr_(U1[i, i + 1 :], e, alpha=-1.0)
             if j2 < i2:
-                W[:, j2:i2].addmm_(Err[:, j1 - i1 : j2 - i1], U[j1:j2, j2:i2], alpha=-1.0)
-        err_sq += float(Err.square().sum(dtype=torch.float64))
+                WT[j2:i2].addmm_(U[j1:j2, j2:i2].t(), ErrT[j1 - i1 : j2 - i1], alpha=-1.0)
+        err_sq += float(ErrT.square().sum(dtype=torch.float64))
         if i2 < k:
             with _threads(threads):  # the one large product of the block: worth the thread pool
-                W[:, i2:].addmm_(Err, U[i1:i2, i2:], alpha=-1.0)
+                WT[i2:].addmm_(U[i1:i2, i2:].t(), ErrT, alpha=-1.0)
+    del WT
+    Q.copy_(QT.t())
+    W_hat.copy_(WhT.t())
     return err_sq
 
 
