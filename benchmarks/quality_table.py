@@ -4,6 +4,8 @@
     python benchmarks/quality_table.py --arms default,rtn-g128 --max-tokens 2000   # a quick look
     python benchmarks/quality_table.py --llama-sdist /tmp/llamadl/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/quality_table.py --model DIR --text DIR/heldout.txt   # another trained model (its held-out text)
+    python benchmarks/quality_table.py --arms '' --llama Q4_K_M,Q4_K_M+imatrix --llama-tools BUILD/bin   # llama.cpp's
+                                                            # calibrated Q4_K_M too (its imatrix on edgeq's calib text)
 
 Every arm is scored by :func:`edgeq.fidelity.compare` against the same bf16 reference (``edgeq.runtime.load`` of
 edgeq/data/tiny-prose) on the same windows of the bundled held-out text (ctx 512, second half of each window
@@ -16,7 +18,17 @@ both). "weights file(s)" is the whole file: the GGUF, or the edgeq checkpoint's 
 llama.cpp's side (needs ``llama_cpp`` and ``gguf``): its own ``convert_hf_to_gguf.py`` (from the llama-cpp-python
 sdist, ``vendor/llama.cpp``, with its own ``gguf-py``) writes a BF16 GGUF, ``llama_cpp.llama_model_quantize`` makes
 Q4_K_M / Q4_K_S / Q4_0 (no imatrix), and each window's logits come from llama.cpp fed the very token ids edgeq scores
-(a scoring function side of ``compare``). The "BF16" row scores the converted file itself: a check of the conversion
+(a scoring function side of ``compare``). ``TYPE+imatrix`` rows are llama.cpp calibrated as its users calibrate it:
+``llama-imatrix`` (defaults: 512-token chunks, no data for the output/tied table) on the text edgeq's calibrated arms
+use (edgeq/data/calib-prose.txt unless ``--imatrix-text``), then ``llama-quantize --imatrix``. Those two tools are not
+in the Python package; ``--llama-tools`` names the directory of a build of the same sdist's llama.cpp::
+
+    tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -S . -B BUILD -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \\
+          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build BUILD -j2 --target llama-imatrix llama-quantize     # BUILD/bin; ~6 min on 2 cores
+
+The "BF16" row scores the converted file itself: a check of the conversion
 and of the scoring path (its KLD should be near 0), not a quantisation.
 
 The bundled tokenizer is not in the converter's list of known pre-tokenizers (it identifies one by hashing the ids of
@@ -46,7 +58,7 @@ import tempfile
 from pathlib import Path
 
 from edgeq import fidelity as F
-from edgeq.convert.calibrated import GPTQOptions
+from edgeq.convert.calibrated import DEFAULT_CALIB, GPTQOptions
 from edgeq.convert.pipeline import convert
 from edgeq.convert.recipe import find_recipe
 from edgeq.errors import EdgeqError
@@ -216,7 +228,29 @@ def gguf_bytes(path: Path) -> tuple[int, dict[str, int]]:
     return sum(per_type.values()), per_type
 
 
-def quantize_gguf(src: Path, out: Path, ftype: str) -> None:
+IMATRIX = "+imatrix"  # a --llama type suffix: that type quantised with llama.cpp's importance matrix
+
+
+def imatrix(tools: Path, bf16: Path, text: Path, out: Path) -> Path:
+    """llama.cpp's importance matrix of ``bf16`` over ``text`` (llama-imatrix at its defaults, 2 threads) -> ``out``."""
+    if not out.exists():
+        _tool(tools, "llama-imatrix", "-m", str(bf16), "-f", str(text), "-o", str(out), "-t", "2")
+    return out
+
+
+def _tool(tools: Path, name: str, *args: str) -> None:
+    exe = tools / name
+    if not exe.is_file():
+        raise SystemExit(f"{exe}: not found; build it (module docstring) and pass its directory as --llama-tools")
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{name} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+
+
+def quantize_gguf(src: Path, out: Path, ftype: str, tools: Path | None = None, imat: Path | None = None) -> None:
+    if imat is not None:  # the Python binding cannot pass an imatrix: llama-quantize does, as its users run it
+        _tool(tools, "llama-quantize", "--imatrix", str(imat), str(src), str(out), ftype, "2")
+        return
     import llama_cpp as L
 
     params = L.llama_model_quantize_default_params()
@@ -246,7 +280,7 @@ class LlamaScorer:
 
 
 def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | None, model: Path = FIXTURE,
-               text: str | None = None) -> tuple[list, dict]:
+               text: str | None = None, tools: Path | None = None, imatrix_text: Path = DEFAULT_CALIB) -> tuple[list, dict]:
     """llama.cpp's rows, and what made them (sdist hash, versions, the registered pre-tokenizer, a tokeniser check)."""
     import llama_cpp
 
@@ -256,9 +290,13 @@ def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | 
             "llama_cpp_python": llama_cpp.__version__, **convert_bf16(script, model, bf16)}
     rows = []
     for ftype in ftypes:
-        path = bf16 if LLAMA_FTYPES[ftype] is None else tmp / f"{model.name}-{ftype}.gguf"
+        base = ftype.removesuffix(IMATRIX)
+        path = bf16 if LLAMA_FTYPES[base] is None else tmp / f"{model.name}-{ftype}.gguf"
         if path != bf16:
-            quantize_gguf(bf16, path, ftype)
+            imat = imatrix(tools, bf16, imatrix_text, tmp / "imatrix.gguf") if ftype.endswith(IMATRIX) else None
+            if imat is not None:
+                info["imatrix_text"] = str(imatrix_text)
+            quantize_gguf(bf16, path, base, tools, imat)
         scorer = LlamaScorer(path, ctx)
         if "same_ids_as_edgeq" not in info:  # the GGUF's tokenizer only has to load; say whether it also agrees
             probe = text if text is not None else DEFAULT_TEXT.read_text(encoding="utf-8")
@@ -267,7 +305,8 @@ def llama_arms(ftypes, tmp: Path, sdist: Path, ref, ctx: int, max_tokens: int | 
         counted, per_type = gguf_bytes(path)
         print(f"  llama.cpp {ftype}: {counted} bytes counted ({per_type}), file {path.stat().st_size} bytes, "
               f"mean KLD {rep.kld_mean:.5f}", file=sys.stderr)
-        label = f"llama.cpp {ftype}" + (" (the converted file, unquantised)" if path == bf16 else " (no imatrix)")
+        label = f"llama.cpp {base}" + (" (the converted file, unquantised)" if path == bf16 else
+                                        f" (imatrix: {imatrix_text.name})" if ftype.endswith(IMATRIX) else " (no imatrix)")
         rows.append((label, counted, path.stat().st_size, rep, {"gguf_bytes_by_type": per_type}))
     return rows, info
 
@@ -293,6 +332,10 @@ def main(argv=None) -> None:
     ap.add_argument("--llama", default=",".join(LLAMA_FTYPES), help="llama.cpp types ('' to skip)")
     ap.add_argument("--llama-sdist", type=Path, default=Path("/tmp/llamadl/llama_cpp_python-0.3.36.tar.gz"),
                     help="the llama-cpp-python sdist whose vendor/llama.cpp/convert_hf_to_gguf.py converts the model")
+    ap.add_argument("--llama-tools", type=Path, default=None,
+                    help="directory with llama-imatrix and llama-quantize (module docstring), for TYPE+imatrix rows")
+    ap.add_argument("--imatrix-text", type=Path, default=DEFAULT_CALIB,
+                    help="llama-imatrix's text [default: edgeq's bundled calibration text]")
     ap.add_argument("--ctx", type=int, default=F.DEFAULT_CTX)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the raw reports here")
@@ -304,8 +347,10 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown arms {unknown}; valid: {', '.join(EDGEQ_ARMS)}")
     ftypes = [x for x in a.llama.split(",") if x]
-    if [x for x in ftypes if x not in LLAMA_FTYPES]:
-        ap.error(f"unknown llama.cpp types in {ftypes}; valid: {', '.join(LLAMA_FTYPES)}")
+    if [x for x in ftypes if x.removesuffix(IMATRIX) not in LLAMA_FTYPES or x == "BF16" + IMATRIX]:
+        ap.error(f"unknown llama.cpp types in {ftypes}; valid: {', '.join(LLAMA_FTYPES)}, each but BF16 with {IMATRIX}")
+    if any(x.endswith(IMATRIX) for x in ftypes) and a.llama_tools is None:
+        ap.error(f"{IMATRIX} types need --llama-tools (the directory of llama-imatrix and llama-quantize)")
     ref = load(a.model)
     text = a.text.read_text(encoding="utf-8") if a.text else None
     rows, info, not_scored = [], None, {}
@@ -324,7 +369,8 @@ def main(argv=None) -> None:
             rows.append((f"edgeq {label}", nbytes, fbytes, rep, {}))
         why = llama_available() if ftypes else "skipped (--llama '')"
         if why is None:
-            llama_rows, info = llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens, a.model, text)
+            llama_rows, info = llama_arms(ftypes, tmp, a.llama_sdist, ref, a.ctx, a.max_tokens, a.model, text,
+                                          a.llama_tools, a.imatrix_text)
             rows += llama_rows
         else:
             print(f"llama.cpp arms not run: {why}", file=sys.stderr)
