@@ -362,6 +362,19 @@ def test_q_is_rounding_of_error_propagated_values(act_order, group_params):
         assert torch.allclose(r.scales_and_zeros[j, :, 1].double(), zero_ref, rtol=2**-7, atol=1e-5)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_input_weight_is_left_untouched(act_order):
+    """The sweep updates its own (transposed) copy: an fp32 weight passed in, which the sweep would otherwise alias,
+    keeps its values, and quantising it twice gives the same bits."""
+    w, h, _ = correlated_layer()
+    w = w.float().contiguous()
+    before = w.clone()
+    first = gptq_quantize(w, h, 32, act_order=act_order)
+    assert torch.equal(w, before)
+    again = gptq_quantize(w, h, 32, act_order=act_order)
+    assert torch.equal(first.q, again.q) and torch.equal(first.scales_and_zeros, again.scales_and_zeros)
+
+
 def test_block_size_does_not_change_the_result():
     w, h, _ = correlated_layer()
     runs = [gptq_quantize(w, h, 32, block_size=b) for b in (32, 128, 1000)]

@@ -159,7 +159,7 @@ def gptq_quantize(
         raise EdgeqError(f"{name}: the prepared Hessian was made with act_order={not act_order}, the call asks for {act_order}")
     U, perm, used = prepared.u, prepared.perm, prepared.damp
 
-    W = w.to(torch.float32).clone()
+    W = w.to(torch.float32)  # read only: the sweep works on its own transposed copy
     if perm is not None:
         W = W[:, perm]
 
