@@ -244,7 +244,8 @@ def _tool(tools: Path, name: str, *args: str) -> None:
         raise SystemExit(f"{exe}: not found; build it (module docstring) and pass its directory as --llama-tools")
     r = subprocess.run([str(exe), *args], capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"{name} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+        last = (r.stderr.strip().splitlines() or ["no output on stderr"])[-1]
+        raise SystemExit(f"{name} failed ({r.returncode}): {last}")
 
 
 def quantize_gguf(src: Path, out: Path, ftype: str, tools: Path | None = None, imat: Path | None = None) -> None:

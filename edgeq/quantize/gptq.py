@@ -246,7 +246,7 @@ def _sweep(W, U, Q, W_hat, scales, zeros, static_col_group, g: int, bs: int, inn
     lines (Qwen2.5-1.5B's gate_proj, 8960 x 1536, on 2 Zen 3 cores: 2.8-3.7 s on W, 1.9 s on W^T; docs/gptq.md
     "Memory order"). The arithmetic per element is the same; the blocked products sum in another order.
     """
-    k, n = W.shape[1], W.shape[0]
+    n, k = W.shape
     WT = W.t().contiguous()
     QT = torch.empty(k, n, dtype=torch.uint8)
     WhT = torch.empty(k, n, dtype=torch.float32)
