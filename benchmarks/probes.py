@@ -18,6 +18,8 @@ explain where time or memory goes; the comparisons the project claims come from 
     python benchmarks/probes.py kernel-precision                      # native W4A16 vs aten and fp64 on outlier inputs
     python benchmarks/probes.py token-bytes CKPT [--gguf FILE]        # bytes a decoded token reads: edgeq vs GGUF
     python benchmarks/probes.py gptq-time                             # GPTQ per matrix, --gptq-params search vs minmax
+    python benchmarks/probes.py sample-rows MODEL --passes 2          # --calib self sampling s per rows-per-batch cap
+                                                                      #   (--rows 31,128 --nsamples 128 --seqlen 32)
 
 CKPT: an edgeq checkpoint of a Qwen2.5-1.5B shape, e.g. /tmp/edgeq-e2e/qwen2.5-1.5b-w4a16-g128 as
 benchmarks/bench_e2e.py builds it. Threads: --threads (default 2).
@@ -457,29 +459,71 @@ def gptq_time(args) -> None:
         print(f"{n} x {k}: rtn {time.perf_counter() - t:.1f} s")
 
 
+def sample_rows(args) -> None:
+    """``--calib self`` sampling time per rows-per-batch cap: one ``sample_windows`` call per fresh process, arms
+    interleaved ``--passes`` times (the cap is ``selfcal.MAX_ROWS``, the KV budget lifted so that it binds; the
+    default still balances the batches). Prints seconds, the rows a batch held, peak RSS and peak anonymous memory
+    (sampled every 0.2 s) and the ids' sha256 prefix."""
+    for _ in range(args.passes):
+        for rows in args.rows.split(","):
+            subprocess.run([sys.executable, __file__, "sample-rows-one", args.checkpoint, "--rows", rows,
+                            "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
+                            "--threads", str(args.threads)], check=True)
+
+
+def sample_rows_one(args) -> None:
+    import threading
+
+    from edgeq.convert import selfcal
+
+    peak = {"VmRSS:": 0, "RssAnon:": 0}
+
+    def watch() -> None:
+        while True:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key = line.split()[0] if line else ""
+                if key in peak:
+                    peak[key] = max(peak[key], int(line.split()[1]))
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    selfcal.MAX_ROWS, selfcal.KV_BUDGET = int(args.rows), 1 << 40
+    t = time.perf_counter()
+    _, rec = selfcal.sample_windows(args.checkpoint, args.nsamples, args.seqlen, seed=0)
+    print(f"cap {args.rows}: {time.perf_counter() - t:.1f} s, {rec['rows_per_batch']} rows a batch, peak RSS "
+          f"{peak['VmRSS:'] / 1024:.0f} MiB (anon {peak['RssAnon:'] / 1024:.0f} MiB), ids {rec['ids_sha256'][:12]}",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("probe", choices=["profile-prefill", "shapes", "sdpa", "embedding-rss", "w4a8-scalar",
                                           "verify-cost", "pmd-map", "huge-pages", "peak", "kernel-calls",
-                                          "prefill-calls", "w4a8-calls", "kernel-precision", "token-bytes", "gptq-time"])
+                                          "prefill-calls", "w4a8-calls", "kernel-precision", "token-bytes", "gptq-time",
+                                          "sample-rows", "sample-rows-one"])
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--cat", action="store_true", help="embedding-rss: read the files sequentially first")
     ap.add_argument("--passes", type=int, default=12, help="huge-pages: interleaved passes")
     ap.add_argument("--gguf", default=None, help="token-bytes: a GGUF file to count too")
+    ap.add_argument("--rows", default="31,128", help="sample-rows: rows-per-batch caps, comma-separated")
+    ap.add_argument("--nsamples", type=int, default=128, help="sample-rows: windows")
+    ap.add_argument("--seqlen", type=int, default=32, help="sample-rows: tokens per window")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages", "token-bytes") and \
-            not args.checkpoint:
+    if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages", "token-bytes",
+                      "sample-rows", "sample-rows-one") and not args.checkpoint:
         ap.error(f"{args.probe} needs CHECKPOINT")
+    if args.probe == "sample-rows-one":
+        return sample_rows_one(args)
     print(f"# {args.probe}: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"threads {args.threads}")
     {"profile-prefill": profile_prefill, "shapes": shapes, "sdpa": sdpa, "embedding-rss": embedding_rss,
      "w4a8-scalar": w4a8_scalar, "verify-cost": verify_cost, "pmd-map": pmd_map, "huge-pages": huge_pages,
      "peak": peak, "kernel-calls": kernel_calls, "prefill-calls": prefill_calls, "w4a8-calls": w4a8_calls,
      "kernel-precision": kernel_precision, "token-bytes": token_bytes,
-     "gptq-time": gptq_time}[args.probe](args)
+     "gptq-time": gptq_time, "sample-rows": sample_rows}[args.probe](args)
 
 
 if __name__ == "__main__":

@@ -41,15 +41,32 @@ def test_draw_is_the_inverse_cdf():
 
 def test_rows_per_batch_fit_the_kv_budget():
     """Qwen2.5-1.5B at seqlen 256: 28 layers * 2 (K, V) * 2 heads * 128 * 2 bytes = 28,672 bytes per position,
-    7.4 MB per sequence: 32 rows (the cap). A Llama-7B-like config (32 layers, 32 KV heads of 128) at 512:
-    524,288 bytes per position, 269 MB per sequence: 1 row (no batch exceeds what one sequence needs)."""
+    7.4 MB per sequence: 128 rows (the cap, 946 MB). A Llama-7B-like config (32 layers, 32 KV heads of 128) at 2048:
+    524,288 bytes per position, 1,074 MB per sequence, over the 1 GiB budget: 1 row (no batch exceeds what one
+    sequence needs); at 512, 269 MB per sequence: 3 rows. 8 KV heads at 256: 33.7 MB per sequence, 31 rows."""
     qwen = SimpleNamespace(num_hidden_layers=28, num_key_value_heads=2, num_attention_heads=12, head_dim=128, hidden_size=1536)
-    assert selfcal.rows_per_batch(qwen, 256) == 32
+    assert selfcal.rows_per_batch(qwen, 256) == 128
     llama7b = SimpleNamespace(num_hidden_layers=32, num_key_value_heads=32, num_attention_heads=32, head_dim=None, hidden_size=4096)
-    assert selfcal.rows_per_batch(llama7b, 512) == 1
+    assert selfcal.rows_per_batch(llama7b, 2048) == 1
+    assert selfcal.rows_per_batch(llama7b, 512) == 3
     mid = SimpleNamespace(num_hidden_layers=32, num_key_value_heads=8, num_attention_heads=32, head_dim=128, hidden_size=4096)
     per_row = 32 * 2 * 8 * 128 * 2 * 257
-    assert selfcal.rows_per_batch(mid, 256) == selfcal.KV_BUDGET // per_row == 7
+    assert selfcal.rows_per_batch(mid, 256) == selfcal.KV_BUDGET // per_row == 31
+
+
+def test_batches_are_balanced():
+    """The fewest batches of at most ``rows``, split evenly: no short last batch that re-reads every weight per step
+    for a few rows."""
+    assert selfcal.balanced_rows(127, 128) == 64  # Llama-3.2-1B at 256: 2 x 64, not 127 + 1
+    assert selfcal.balanced_rows(128, 140) == 70  # Qwen2.5-1.5B's default 140 windows
+    assert selfcal.balanced_rows(128, 32) == 32 and selfcal.balanced_rows(128, 128) == 128
+    assert selfcal.balanced_rows(3, 7) == 3 and selfcal.balanced_rows(1, 5) == 1  # 7 at 3: 3 + 3 + 1
+    for rows in range(1, 20):
+        for n in range(1, 60):
+            b = selfcal.balanced_rows(rows, n)
+            batches = -(-n // rows)
+            assert b <= rows and -(-n // b) == batches  # never more batches than the cap needs
+            assert n - (batches - 1) * b > b - batches  # the last batch short by less than one row per batch
 
 
 def test_start_token_and_suppressed_ids(tmp_path):
@@ -200,3 +217,26 @@ def test_auto_upcasts_the_linears_only_without_bf16_dot_products(monkeypatch, bf
     assert _reference_draw_check(w, 0) > 0.95
     _, named = selfcal.sample_windows(FIXTURE, 1, 4, seed=0, dtype=torch.bfloat16)
     assert named["matmul"] == "bfloat16" and named["cast_bytes"] == 0
+
+
+def test_batching_and_the_one_thread_rule_follow_the_rows_of_a_batch(monkeypatch):
+    """A step's size is the rows actually in a batch: 2 windows of a model with P parameters make 4P FLOPs, under a
+    6P threshold (one thread) although up to MAX_ROWS rows would fit; 4 windows make 8P (the process's threads).
+    Batching 2 rows at a time instead of all at once draws the same ids (the u table is drawn up front)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FIXTURE)).parameters())
+    monkeypatch.setattr(selfcal, "SMALL_STEP_FLOPS", 6 * params)
+    calls, threads = [], torch.get_num_threads()
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    one, rec = selfcal.sample_windows(FIXTURE, 2, 8, seed=0)
+    assert rec["rows_per_batch"] == 2 and calls == [1, threads]  # one thread, then restored
+    calls.clear()
+    whole, _ = selfcal.sample_windows(FIXTURE, 4, 8, seed=0)
+    assert calls == [threads]  # only the restore: the step ran on the process's threads
+    assert float((whole[:2] == one).double().mean()) > 0.95  # a larger nsamples extends the same set
+    monkeypatch.setattr(selfcal, "MAX_ROWS", 2)
+    pairs, rec2 = selfcal.sample_windows(FIXTURE, 4, 8, seed=0)
+    assert rec2["rows_per_batch"] == 2 and float((pairs == whole).double().mean()) > 0.95

@@ -9,12 +9,13 @@ in another dtype than the compute dtype are cast, a copy) under its transformers
         x_t = the first id i with cumsum(p)[i] > u[row, t] * sum(p)      (inverse CDF, fp64)
 
 ``u`` is one table ``torch.rand(nsamples, seqlen, generator=torch.Generator().manual_seed(seed), dtype=float64)``
-drawn up front, so the ids do not depend on how rows are batched. A window is the ``seqlen`` sampled ids (the start
+drawn up front, so a row's draws do not depend on which batch it falls in, except through the GEMMs' rounding, which
+can change with the rows in a batch (a near-tie then resolves the other way). A window is the ``seqlen`` sampled ids (the start
 token is not part of it, as text windows carry no BOS): int64 [nsamples, seqlen], straight into the calibration (no
 decode/re-encode). Worked example: p = (0.5, 0.3, 0.2), u = 0.6 -> cumsum (0.5, 0.8, 1.0), first > 0.6 is id 1.
 
-Determinism: the same ids on every run on one machine (the u table, the batch size and the sampling arithmetic are
-fixed by (model, nsamples, seqlen, seed)). Across CPU classes the float forward rounds differently (bf16 GEMMs on
+Determinism: the same ids on every run on one machine (the u table, the rows per batch and the sampling arithmetic
+are fixed by (model, nsamples, seqlen, seed)). Across CPU classes the float forward rounds differently (bf16 GEMMs on
 AMX, AVX512-BF16 or AVX2 accumulate in other orders), so a u that falls within that rounding of a CDF boundary can
 pick the neighbouring id and the sequence continues differently from there; the record's ``ids_sha256`` says
 whether two runs calibrated on the same ids. Measured on the bundled model (32 x 256, seed 0): forcing torch's AVX2
@@ -32,10 +33,10 @@ Memory: the mapped weights (file-backed, shared with the page cache, not a secon
 (``rows`` is chosen from the config so that it stays under ``KV_BUDGET`` bytes) and one batch of logits (rows x V
 fp32 and fp64). Released before GPTQ starts.
 
-Threads: a step of a small model (2 * rows * parameters < ``SMALL_STEP_FLOPS``, e.g. the bundled 4M-parameter
-model) runs on one intra-op thread, as GPTQ's column sweep does: its matmuls are too small to gain from a second
-thread, and on busy cores the pool's hand-offs cost more than the work (profiled on the bundled model on a loaded
-2-core machine: 13 ms per Linear call with 2 threads). Larger models keep the process's threads.
+Threads: a step of a small model (2 * rows in a batch * parameters < ``SMALL_STEP_FLOPS``, e.g. the bundled
+4M-parameter model) runs on one intra-op thread, as GPTQ's column sweep does: its matmuls are too small to gain from
+a second thread, and on busy cores the pool's hand-offs cost more than the work (profiled on the bundled model on a
+loaded 2-core machine: 13 ms per Linear call with 2 threads). Larger models keep the process's threads.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ SELF = "self"  # the --calib keyword
 NSAMPLES, SEQLEN = 32, 256  # defaults for self: docs/gptq.md "Calibration without data" (KLD vs count, measured)
 TOKENS_PER_K = 4  # the default asks at least this many tokens per input of the widest quantised Linear
 SEED, TEMPERATURE = 0, 1.0
-MAX_ROWS = 32  # sequences per batch at most
-KV_BUDGET = 256 << 20  # bytes of KV cache per batch (bf16), which bounds the rows of a batch on large models
+MAX_ROWS = 128  # sequences per batch at most: each step's GEMMs read the weights once for this many rows
+KV_BUDGET = 1 << 30  # bytes of KV cache per batch (bf16), which bounds the rows of a batch on large models
 UPCAST = "fp32 over bf16 row blocks"  # the record's matmul under auto on a CPU without bf16 dot products
 SMALL_STEP_FLOPS = 1 << 30  # a batch step below this many FLOPs runs on one thread (module docstring)
 
@@ -75,12 +76,21 @@ def rows_per_batch(config, seqlen: int) -> int:
     """Sequences sampled together: as many as fit ``KV_BUDGET`` (bf16 K and V of every layer for ``seqlen + 1``
     positions), 1..``MAX_ROWS``. A function of the config and seqlen only, so every machine batches alike.
     Example: Qwen2.5-1.5B (28 layers, 2 KV heads of 128) at seqlen 256: 28 * 2 * 2 * 128 * 2 = 28,672 bytes per
-    token, 7.4 MB per sequence, 32 rows (235 MB)."""
+    token, 7.4 MB per sequence, 128 rows (946 MB, under the anonymous peak of the GPTQ phase that follows)."""
     layers = config.num_hidden_layers
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_row = layers * 2 * heads * head_dim * 2 * (seqlen + 1)
     return max(1, min(MAX_ROWS, KV_BUDGET // per_row))
+
+
+def balanced_rows(rows: int, nsamples: int) -> int:
+    """The rows of each batch when ``nsamples`` sequences are split into the fewest batches of at most ``rows``:
+    ``ceil(nsamples / ceil(nsamples / rows))``, so the last batch is short by less than one row per batch. A short last batch would cost a whole pass
+    over the weights per step for a few rows. Examples: 128 windows at 127 rows -> 2 batches of 64 (not 127 + 1);
+    140 at 128 -> 70 + 70; 32 at 128 -> 32."""
+    batches = -(-nsamples // rows)
+    return -(-nsamples // batches)
 
 
 def start_and_suppressed(config, root: Path) -> tuple[int, list[int]]:
@@ -139,7 +149,7 @@ def sample_windows(model_dir: str | Path, nsamples: int = NSAMPLES, seqlen: int 
         upcast.upcast_linears(model)  # bf16 weights, fp32 GEMMs by row blocks: no copy (module docstring)
         matmul = UPCAST
     start, suppressed = start_and_suppressed(config, root)
-    rows = rows_per_batch(config, seqlen)
+    rows = balanced_rows(rows_per_batch(config, seqlen), nsamples)
     u = torch.rand(nsamples, seqlen, generator=torch.Generator(device="cpu").manual_seed(seed), dtype=torch.float64)
     ids = torch.empty(nsamples, seqlen + 1, dtype=torch.int64)
     ids[:, 0] = start
