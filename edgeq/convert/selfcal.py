@@ -10,9 +10,10 @@ in another dtype than the compute dtype are cast, a copy) under its transformers
 
 ``u`` is one table ``torch.rand(nsamples, seqlen, generator=torch.Generator().manual_seed(seed), dtype=float64)``
 drawn up front, so a row's draws do not depend on which batch it falls in, except through the GEMMs' rounding, which
-can change with the rows in a batch (a near-tie then resolves the other way). A window is the ``seqlen`` sampled ids (the start
-token is not part of it, as text windows carry no BOS): int64 [nsamples, seqlen], straight into the calibration (no
-decode/re-encode). Worked example: p = (0.5, 0.3, 0.2), u = 0.6 -> cumsum (0.5, 0.8, 1.0), first > 0.6 is id 1.
+can change with the rows in a batch (a near-tie then resolves the other way). A window is the ``seqlen`` sampled ids
+(the start token is not part of it, as text windows carry no BOS): int64 [nsamples, seqlen], straight into the
+calibration (no decode/re-encode). Worked example: p = (0.5, 0.3, 0.2), u = 0.6 -> cumsum (0.5, 0.8, 1.0), the
+first above 0.6 is id 1.
 
 Determinism: the same ids on every run on one machine (the u table, the rows per batch and the sampling arithmetic
 are fixed by (model, nsamples, seqlen, seed)). Across CPU classes the float forward rounds differently (bf16 GEMMs on
@@ -86,9 +87,9 @@ def rows_per_batch(config, seqlen: int) -> int:
 
 def balanced_rows(rows: int, nsamples: int) -> int:
     """The rows of each batch when ``nsamples`` sequences are split into the fewest batches of at most ``rows``:
-    ``ceil(nsamples / ceil(nsamples / rows))``, so the last batch is short by less than one row per batch. A short last batch would cost a whole pass
-    over the weights per step for a few rows. Examples: 128 windows at 127 rows -> 2 batches of 64 (not 127 + 1);
-    140 at 128 -> 70 + 70; 32 at 128 -> 32."""
+    ``ceil(nsamples / ceil(nsamples / rows))``, so the last batch is short by less than one row per batch (a short
+    last batch would cost a whole pass over the weights per step for a few rows). Examples: 128 windows at 127 rows
+    -> 2 batches of 64 (not 127 + 1); 140 at 128 -> 70 + 70; 32 at 128 -> 32."""
     batches = -(-nsamples // rows)
     return -(-nsamples // batches)
 
