@@ -462,8 +462,8 @@ def gptq_time(args) -> None:
 def sample_rows(args) -> None:
     """``--calib self`` sampling time per rows-per-batch cap: one ``sample_windows`` call per fresh process, arms
     interleaved ``--passes`` times (the cap is ``selfcal.MAX_ROWS``, the KV budget lifted so that it binds; the
-    default still balances the batches). Prints seconds, the rows a batch held, peak RSS and peak anonymous memory
-    (sampled every 0.2 s) and the ids' sha256 prefix."""
+    batches are still balanced; ``default``: the shipped cap and budget). Prints seconds, the rows a batch held,
+    peak RSS and peak anonymous memory (sampled every 0.2 s) and the ids' sha256 prefix."""
     for _ in range(args.passes):
         for rows in args.rows.split(","):
             subprocess.run([sys.executable, __file__, "sample-rows-one", args.checkpoint, "--rows", rows,
@@ -487,7 +487,8 @@ def sample_rows_one(args) -> None:
             time.sleep(0.2)
 
     threading.Thread(target=watch, daemon=True).start()
-    selfcal.MAX_ROWS, selfcal.KV_BUDGET = int(args.rows), 1 << 40
+    if args.rows != "default":  # else the shipped cap, KV budget and balancing
+        selfcal.MAX_ROWS, selfcal.KV_BUDGET = int(args.rows), 1 << 40
     t = time.perf_counter()
     _, rec = selfcal.sample_windows(args.checkpoint, args.nsamples, args.seqlen, seed=0)
     print(f"cap {args.rows}: {time.perf_counter() - t:.1f} s, {rec['rows_per_batch']} rows a batch, peak RSS "
@@ -507,7 +508,8 @@ def main() -> None:
     ap.add_argument("--cat", action="store_true", help="embedding-rss: read the files sequentially first")
     ap.add_argument("--passes", type=int, default=12, help="huge-pages: interleaved passes")
     ap.add_argument("--gguf", default=None, help="token-bytes: a GGUF file to count too")
-    ap.add_argument("--rows", default="31,128", help="sample-rows: rows-per-batch caps, comma-separated")
+    ap.add_argument("--rows", default="31,128",
+                    help="sample-rows: rows-per-batch caps, comma-separated ('default': as shipped)")
     ap.add_argument("--nsamples", type=int, default=128, help="sample-rows: windows")
     ap.add_argument("--seqlen", type=int, default=32, help="sample-rows: tokens per window")
     args = ap.parse_args()
