@@ -463,7 +463,7 @@ def sample_rows(args) -> None:
     """``--calib self`` sampling time per rows-per-batch cap: one ``sample_windows`` call per fresh process, arms
     interleaved ``--passes`` times (the cap is ``selfcal.MAX_ROWS``, the KV budget lifted so that it binds; the
     batches are still balanced; ``default``: the shipped cap and budget). Prints seconds, the rows a batch held,
-    peak RSS and peak anonymous memory (sampled every 0.2 s) and the ids' sha256 prefix."""
+    peak RSS (VmHWM) and peak anonymous memory (sampled every 0.2 s) and the ids' sha256 prefix."""
     for _ in range(args.passes):
         for rows in args.rows.split(","):
             subprocess.run([sys.executable, __file__, "sample-rows-one", args.checkpoint, "--rows", rows,
@@ -474,16 +474,14 @@ def sample_rows(args) -> None:
 def sample_rows_one(args) -> None:
     import threading
 
+    from edgeq.bench import measure
     from edgeq.convert import selfcal
 
-    peak = {"VmRSS:": 0, "RssAnon:": 0}
+    anon = [0]
 
-    def watch() -> None:
+    def watch() -> None:  # the kernel keeps RSS's peak (VmHWM), not RssAnon's
         while True:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                key = line.split()[0] if line else ""
-                if key in peak:
-                    peak[key] = max(peak[key], int(line.split()[1]))
+            anon[0] = max(anon[0], measure.status().anon)
             time.sleep(0.2)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -492,8 +490,7 @@ def sample_rows_one(args) -> None:
     t = time.perf_counter()
     _, rec = selfcal.sample_windows(args.checkpoint, args.nsamples, args.seqlen, seed=0)
     print(f"cap {args.rows}: {time.perf_counter() - t:.1f} s, {rec['rows_per_batch']} rows a batch, peak RSS "
-          f"{peak['VmRSS:'] / 1024:.0f} MiB (anon {peak['RssAnon:'] / 1024:.0f} MiB), ids {rec['ids_sha256'][:12]}",
-          flush=True)
+          f"{measure.status().hwm >> 20} MiB (anon {anon[0] >> 20} MiB), ids {rec['ids_sha256'][:12]}", flush=True)
 
 
 def main() -> None:
