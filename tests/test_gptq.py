@@ -230,6 +230,24 @@ def test_hessian_accumulator():
         acc.add(torch.zeros(2, 7))
 
 
+def test_hessian_upper_panels_are_the_full_product_and_symmetric():
+    """K = 600 runs in panels of 256, 256 and 88 (only blocks on and above the diagonal are multiplied): after
+    three batches H is 2/n X^T X to fp32 rounding and exactly symmetric; tokens added after H was read are refused.
+    K = 2048 (panels of 256) too, against the plain fp64 product."""
+    for k, tokens in ((600, 900), (2048, 700)):
+        x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.1, 2.0, k)
+        acc = HessianAccumulator(k, name="m")
+        for part in x.split(300):
+            acc.add(part)
+        h = acc.hessian()
+        ref = 2.0 / tokens * x.double().t() @ x.double()
+        assert torch.equal(h, h.t())
+        assert float((h.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+        assert torch.equal(acc.hessian(), h)  # reading twice mirrors once
+    with pytest.raises(EdgeqError, match="m: tokens added after the Hessian was read"):
+        acc.add(x[:2])
+
+
 def test_cross_term_accumulates_and_pairs_inputs():
     """``cross()`` is 2/n X~^T X over batches; the float inputs must pair with the quantised ones."""
     g = torch.Generator().manual_seed(3)

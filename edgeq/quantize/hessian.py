@@ -20,6 +20,10 @@ class HessianAccumulator:
     The sum is kept in float32: its relative rounding error after B batches is about B * 2^-24 (1e-5 for 128
     batches), three orders below the 1 % dampening GPTQ adds anyway, and fp32 halves the memory of an fp64
     accumulator (4 K^2 bytes: 320 MB at K = 8960). bf16 activations widen to fp32 exactly.
+
+    Only the upper triangle is accumulated (:func:`_add_gram`: row panels of ``max(256, K // 8)``, about 56% of
+    the full product's flops) and mirrored once when :meth:`hessian` is first read, so H is exactly symmetric. The
+    cross term has no symmetry and is a full product.
     """
 
     def __init__(self, k: int, name: str = "input", cross: bool = False):
@@ -27,6 +31,7 @@ class HessianAccumulator:
         self.name = name
         self.n = 0
         self._sum = torch.zeros(self.k, self.k, dtype=torch.float32)
+        self._mirrored = False
         self._cross = torch.zeros(self.k, self.k, dtype=torch.float32) if cross else None
 
     def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
@@ -39,7 +44,9 @@ class HessianAccumulator:
                              f"pair with the inputs {list(x.shape)}")
         x2 = x.detach().reshape(-1, self.k).to(torch.float32)
         if x2.shape[0]:
-            self._sum.addmm_(x2.t(), x2)
+            if self._mirrored:
+                raise EdgeqError(f"{self.name}: tokens added after the Hessian was read")
+            _add_gram(self._sum, x2)
             if self._cross is not None:
                 self._cross.addmm_(x2.t(), x_float.detach().reshape(-1, self.k).to(torch.float32))
             self.n += x2.shape[0]
@@ -48,14 +55,46 @@ class HessianAccumulator:
         """float32 [K, K] ``2/n * sum x x^T``."""
         if self.n == 0:
             raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
+        if not self._mirrored:
+            _mirror_upper(self._sum, _panel(self.k))
+            self._mirrored = True
         return self._sum * (2.0 / self.n)
 
     def cross(self) -> torch.Tensor:
         """float32 [K, K] ``2/n * sum x x_float^T``: the cross term of :func:`asymmetric_shift`."""
         if self._cross is None:
             raise EdgeqError(f"{self.name}: this accumulator was made without cross=True")
-        self.hessian()  # the same check: some tokens arrived
+        if self.n == 0:
+            raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
         return self._cross * (2.0 / self.n)
+
+
+def _panel(k: int) -> int:
+    """Rows per panel of :func:`_add_gram`: K // 8, at least 256 (one panel, a plain product, up to K = 256). On
+    2 Zen 3 cores, 2,048 tokens: K = 8960 1.04 s instead of 1.82 s, K = 2048 60 ms instead of 99 ms."""
+    return max(256, k // 8)
+
+
+def _add_gram(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc += x^T x`` on and above the diagonal blocks only (acc fp32 [K, K], x fp32 [n, K]): row panel
+    ``[a:e]`` gets ``x[:, a:e]^T x[:, a:]``; the blocks below the diagonal stay as they were (zero) until
+    :func:`_mirror_upper`. Example, K = 512, panels of 256: blocks (0,0), (0,1), (1,1): 3 of 4."""
+    k = x.shape[1]
+    p = _panel(k)
+    for a in range(0, k, p):
+        e = min(k, a + p)
+        acc[a:e, a:].addmm_(x[:, a:e].t(), x[:, a:])
+
+
+def _mirror_upper(acc: torch.Tensor, p: int) -> None:
+    """In place: the strict lower triangle of ``acc`` [K, K] from its upper triangle (the diagonal blocks of
+    :func:`_add_gram` hold both halves; their upper one is kept), so the result is exactly symmetric."""
+    k = acc.shape[0]
+    for a in range(0, k, p):
+        e = min(k, a + p)
+        d = acc[a:e, a:e]
+        d.copy_(d.triu() + d.triu(1).t())
+        acc[e:, a:e] = acc[a:e, e:].t()
 
 
 def _inverse_upper(r: torch.Tensor, leaf: int = 512) -> torch.Tensor:
