@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,98 @@ def test_float_target_lowers_the_heldout_kld():
     res = {t: dict(gptq_model(MODEL, windows, scheme, target=t)) for t in ("float", "layer")}
     kld = heldout_kld({t: dequantized(r, 128) for t, r in res.items()})
     assert kld["float"] < 0.9 * kld["layer"], kld  # measured 0.0037 vs 0.0045 (Zen 3, fp32 sweep); 0.0037 vs 0.0041 at 4,096
+
+
+def _linear_calls(monkeypatch, fn):
+    """``fn()``'s result and how often each nn.Linear ran (by object), counted at nn.Linear.forward."""
+    calls, real = {}, torch.nn.Linear.forward
+
+    def counted(self, x):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return real(self, x)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.Linear, "forward", counted)
+        out = fn()
+    return out, sorted(calls.values())
+
+
+@pytest.mark.parametrize("target", ["float", "layer"])
+def test_tail_cache_runs_each_linear_once_with_the_same_bits(windows, monkeypatch, target):
+    """With the attention's and the MLP's outputs served from their tails (edgeq/convert/tails.py) every Linear of
+    every layer runs once per batch and stream, plus once in the discovery pass: 2 batches x 2 streams + 1 = 5 (3 with
+    one stream); without the cache (budget 0) k_proj runs 4 times per batch and stream. The Hessians and every
+    result are bit-identical either way."""
+    import edgeq.convert.calibrate as drv
+    from edgeq.convert import tails
+
+    monkeypatch.setattr(drv, "BATCH_TOKENS", 512)  # 4 windows of 128 a batch: 2 batches
+    scheme, streams = Scheme.parse("w4a16-g64"), 2 if target == "float" else 1
+
+    def convert():
+        hs = {}
+        res = dict(gptq_model(MODEL, windows, scheme, target=target, observe=lambda n, h: hs.__setitem__(n, h)))
+        return res, hs
+
+    (cached, h1), counts = _linear_calls(monkeypatch, convert)
+    assert counts == [1 + 2 * streams] * (4 * 7), counts
+    monkeypatch.setattr(tails, "CACHE_BYTES", 0)
+    (plain, h2), counts = _linear_calls(monkeypatch, convert)
+    assert max(counts) == 1 + 2 * streams * 4, counts  # q/k/v: the o, gate/up, down and outputs passes
+    assert list(h1) == list(h2) and all(torch.equal(h1[n], h2[n]) for n in h1)
+    assert list(cached) == list(plain) == ALL + ["lm_head"]
+    for n, a in cached.items():
+        b = plain[n]
+        assert torch.equal(a.q, b.q) and torch.equal(a.scales_and_zeros, b.scales_and_zeros), n
+        assert a.relative_output_error == b.relative_output_error, n
+
+
+def test_tail_plan_fits_the_budget(monkeypatch):
+    """The docstring's example: 1,024 bf16 tokens, two streams: o_proj (1 MiB) and down_proj (3 MiB) fit 4 MiB;
+    2 MiB holds o_proj only, in the order given; and the finder names both tails of a Llama-style layer."""
+    from torch import nn
+
+    from edgeq.convert import tails
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = nn.Linear(256, 256, bias=False)
+
+        def forward(self, x):
+            return self.o_proj(x * 2), None
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down_proj = nn.Linear(256, 768, bias=False), nn.Linear(768, 256, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(self.up(x))
+
+    class Odd(nn.Module):  # its output is not its last Linear's output: no tail
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.lin(x) + 1
+
+    layer = nn.Module()
+    layer.self_attn, layer.mlp, layer.odd = Attn(), Mlp(), Odd()
+    with tails.TailFinder(layer) as f:
+        x = torch.randn(2, 256)
+        layer.odd(layer.mlp(layer.self_attn(x)[0]))
+    found = f.tails()
+    assert found == {"self_attn.o_proj": tails.Tail("self_attn", "self_attn.o_proj", 1),
+                     "mlp.down_proj": tails.Tail("mlp", "mlp.down_proj", None)}
+    monkeypatch.setattr(tails, "CACHE_BYTES", 4 << 20)
+    assert list(tails.plan(layer, found, 1024, 2, 2)) == ["self_attn.o_proj", "mlp.down_proj"]
+    monkeypatch.setattr(tails, "CACHE_BYTES", 2 << 20)
+    assert list(tails.plan(layer, found, 1024, 2, 2)) == ["self_attn.o_proj"]
+    monkeypatch.setattr(tails, "CACHE_BYTES", 4 << 30)  # a machine with 8 MiB available: a budget of 2 MiB
+    monkeypatch.setattr(tails.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 << 20))
+    assert list(tails.plan(layer, found, 1024, 2, 2)) == ["self_attn.o_proj"]
 
 
 def test_refusals(tmp_path, windows):

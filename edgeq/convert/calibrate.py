@@ -14,6 +14,10 @@ decoder layer, in execution order, then for the head (``head_module``: the recip
    layer right there; every member is quantised with :func:`gptq_quantize` under one :func:`prepare_hessian`, and
    its weight in the layer is replaced by the dequantised weight, so later groups see quantised inputs. A last pass
    computes the layer's outputs, which are the next layer's inputs. The layer is then released (back to meta).
+   The passes do not re-run what is already final: once o_proj (down_proj) is quantised, the attention's (MLP's)
+   output for every batch is o_proj (down_proj) applied to the inputs its own pass kept, and later passes read it
+   instead of running the child (:mod:`edgeq.convert.tails`: bit-identical; within its memory budget each Linear
+   runs once per stream).
 3. The head's Hessian comes from the final norm applied to the last layer's (quantised) outputs; the head weight
    (``<head_module>.weight``, or the embedding table when tied) is quantised in row blocks under one factorisation.
 
@@ -24,8 +28,9 @@ Linear is quantised towards the float model's outputs (:func:`edgeq.quantize.hes
 Peak memory: one layer's weights (compute dtype, plus one Linear in fp32 while it is quantised), the layer's
 Hessians (4 K^2 bytes each), two copies of the calibration activations (S * T * D in the compute dtype) and one
 batch's intermediate activations; the float target adds a copy of the layer's weights, two more copies of the
-activations and, per group, the cross term and the shift (4 K^2 bytes each). The head is processed in row blocks of
-~``ROW_BLOCK_ELEMENTS`` weights.
+activations and, per group, the cross term and the shift (4 K^2 bytes each); the tails' activations, per stream
+tokens x (hidden + intermediate) in the compute dtype, up to :data:`edgeq.convert.tails.CACHE_BYTES` a layer. The
+head is processed in row blocks of ~``ROW_BLOCK_ELEMENTS`` weights.
 
 Attention runs through PyTorch SDPA with an explicit causal mask; windows longer than a model's sliding window are
 refused rather than silently mis-masked.
@@ -41,6 +46,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from edgeq.convert import passes, tails
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
@@ -55,10 +61,6 @@ TARGETS = ("float", "layer")  # what each Linear is fitted to (gptq_model); the 
 
 Progress = Callable[[int, int, str], None]  # (done, total, label): layers done of n_layers + 1 (the head)
 Observer = Callable[[str, torch.Tensor], None]  # (module name of a Hessian group's first member, H [K, K] fp32)
-
-
-class _StopForward(Exception):
-    """Raised from a pre-hook once the group being calibrated has its input: the rest of the layer is not needed."""
 
 
 def calibration_windows(model_dir: str | Path, text: str, nsamples: int = 128, seqlen: int = 512) -> torch.Tensor:
@@ -142,85 +144,24 @@ def _batches(s: int, t: int) -> list[slice]:
     return [slice(a, min(s, a + b)) for a in range(0, s, b)]
 
 
-class _LayerRunner:
-    """Calls one decoder layer on a batch of windows with the causal mask and rotary embeddings."""
-
-    def __init__(self, model, config, t: int, dtype: torch.dtype):
-        rot = type(model.model.rotary_emb)(config=config)  # real buffers (the skeleton's are on meta)
-        self.position_ids = torch.arange(t).unsqueeze(0)
-        self.cos_sin = rot(torch.zeros(1, dtype=dtype), self.position_ids)
-        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu_(1)
-        self.mask = mask[None, None]
-
-    def __call__(self, layer: nn.Module, h: torch.Tensor, params: dict | None = None) -> torch.Tensor:
-        """The layer's output on ``h``; with ``params`` (name -> tensor) the layer runs with those weights instead."""
-        kwargs = {"attention_mask": self.mask, "position_ids": self.position_ids, "position_embeddings": self.cos_sin}
-        with torch.no_grad():
-            if params is None:
-                out = layer(h, **kwargs)
-            else:
-                out = torch.func.functional_call(layer, params, (h,), kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-
-def _discover_groups(layer: nn.Module, run: _LayerRunner, h: torch.Tensor, prefix: str) -> list[list[str]]:
-    """Linears of ``layer`` in the order they run, grouped by identical input tensor (q/k/v; gate/up)."""
-    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    order: list[tuple[str, torch.Tensor]] = []
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append((n, args[0]))) for n, m in linears.items()]
-    try:
-        run(layer, h)
-    finally:
-        for hd in handles:
-            hd.remove()
-    seen = [n for n, _ in order]
-    missing = [n for n in linears if n not in seen]
-    repeated = sorted({n for n in seen if seen.count(n) > 1})
-    if missing or repeated:
-        raise EdgeqError(
-            f"{prefix}*: Linear(s) {missing or repeated} did not run exactly once per forward; "
-            "GPTQ calibration cannot handle this layer (use --method rtn)"
-        )
-    groups: list[list[str]] = []
-    prev = None
-    for n, x in order:
-        if prev is not None and x is prev:
-            groups[-1].append(n)
-        else:
-            groups.append([n])
-        prev = x
-    return groups
-
-
-def _group_input(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, params: dict | None = None) -> torch.Tensor:
-    """The input ``linear`` receives when ``layer`` (with ``params`` in place of its own, if given) runs on ``h``;
-    the rest of the layer is not run."""
-    got = []
-
-    def grab(mod, args):
-        got.append(args[0])
-        raise _StopForward
-
-    handle = linear.register_forward_pre_hook(grab)
-    try:
-        try:
-            run(layer, h, params)
-        except _StopForward:
-            pass
-    finally:
-        handle.remove()
-    return got[0]
-
-
-def _hessian_for(layer: nn.Module, linear: nn.Linear, run: _LayerRunner, h: torch.Tensor, name: str,
+def _hessian_for(layer: nn.Module, member: str, run: passes.LayerRunner, h: torch.Tensor, name: str, cache: tails.Cache,
                  hf: torch.Tensor | None = None, float_params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(H, C)``: ``H = 2/n X~^T X~`` over the inputs X~ ``linear`` receives in the layer as it is (earlier groups
-    quantised) on ``h``; with the float stream (``hf``, the float model's inputs to this layer, and the layer's float
-    weights ``float_params``) also ``C = 2/n X~^T X`` against the inputs X the float model gives it (else None)."""
+    """``(H, C)``: ``H = 2/n X~^T X~`` over the inputs X~ the Linear ``member`` (its name in the layer) receives in
+    the layer as it is (earlier groups quantised) on ``h``; with the float stream (``hf``, the float model's inputs to
+    this layer, and the layer's float weights ``float_params``) also ``C = 2/n X~^T X`` against the inputs X the
+    float model gives it (else None). ``cache`` serves the children already frozen and keeps a tail's inputs."""
+    linear = layer.get_submodule(member)
     acc = HessianAccumulator(linear.in_features, name, cross=hf is not None)
     for sl in _batches(h.shape[0], h.shape[1]):
-        xf = _group_input(layer, linear, run, hf[sl], float_params) if hf is not None else None
-        acc.add(_group_input(layer, linear, run, h[sl]), xf)
+        xf = None
+        if hf is not None:
+            cache.select(1, sl)
+            xf = passes.group_input(layer, linear, run, hf[sl], float_params)
+            cache.keep(member, 1, sl, xf)
+        cache.select(0, sl)
+        x = passes.group_input(layer, linear, run, h[sl])
+        cache.keep(member, 0, sl, x)
+        acc.add(x, xf)
     return acc.hessian(), (acc.cross() if hf is not None else None)
 
 
@@ -303,7 +244,7 @@ def gptq_model(
     head_tensor = head_source or (f"{head_module}.weight" if f"{head_module}.weight" in ckpt.tensors else embed_name)
     opts = {"damp": damp, "act_order": act_order, "static_groups": static_groups, "block_size": block_size,
             "group_params": group_params, "group_sizes": dict(group_sizes or {})}
-    run = _LayerRunner(model, config, windows.shape[1], compute_dtype)
+    run = passes.LayerRunner(model, config, windows.shape[1], compute_dtype)
     total = len(base.layers) + 1
     report = progress or (lambda done, total, label: None)
 
@@ -342,7 +283,7 @@ def _head_hessian(ckpt: Checkpoint, norm: nn.Module, prefix: str, h: torch.Tenso
     return H, (asymmetric_shift(H, acc.cross(), damp, acc.n, name=head_module) if hf is not None else None)
 
 
-def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.Tensor, run: _LayerRunner,
+def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.Tensor, run: passes.LayerRunner,
                      scheme: Scheme, opts: dict, keep, observe: Observer | None, compute_dtype: torch.dtype,
                      hf: torch.Tensor | None = None):
     """One decoder layer (step 2 of the module docstring): yields its ``(module, GPTQResult)`` group by group and
@@ -351,13 +292,32 @@ def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.T
     s, t = h.shape[:2]
     tokens = s * t
     _read_into(ckpt, layer, prefix, compute_dtype)
-    linears = dict(layer.named_modules())
     float_params = {n: p.detach().clone() for n, p in layer.named_parameters()} if hf is not None else None
-    for group in _discover_groups(layer, run, h[_batches(s, t)[0]], prefix):
+    groups, found = passes.discover_groups(layer, run, h[_batches(s, t)[0]], prefix)
+    planned = tails.plan(layer, found, tokens, 1 if hf is None else 2, h.element_size())
+    cache = tails.Cache(layer, planned, _batches(s, t))
+    try:
+        yield from _calibrate_groups(ckpt, layer, prefix, groups, h, run, scheme, opts, keep, observe, cache, hf,
+                                     float_params)
+        out, out_f = _layer_outputs(layer, run, h, hf, float_params, cache)
+    finally:
+        cache.release()
+    layer.to_empty(device="meta")  # release this layer's weights
+    return out, out_f
+
+
+def _calibrate_groups(ckpt: Checkpoint, layer: nn.Module, prefix: str, groups: list[list[str]], h: torch.Tensor,
+                      run: passes.LayerRunner, scheme: Scheme, opts: dict, keep, observe: Observer | None,
+                      cache: tails.Cache, hf: torch.Tensor | None, float_params: dict | None):
+    """GPTQ each group of the layer in order (step 2 of the module docstring), yielding ``(module, GPTQResult)``;
+    a group that is a tail freezes its child in ``cache`` once its weights are in place."""
+    linears = dict(layer.named_modules())
+    compute_dtype, tokens = h.dtype, h.shape[0] * h.shape[1]
+    for group in groups:
         todo = [n for n in group if prefix + n not in keep]
         if not todo:
             continue
-        H, C = _hessian_for(layer, linears[group[0]], run, h, prefix + group[0], hf, float_params)
+        H, C = _hessian_for(layer, group[0], run, h, prefix + group[0], cache, hf, float_params)
         if observe:
             observe(prefix + group[0], H)
         prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
@@ -370,11 +330,19 @@ def _calibrate_layer(ckpt: Checkpoint, layer: nn.Module, prefix: str, h: torch.T
                 linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
             yield prefix + n, replace(r, w_hat=None)
         del H, prep, shift
+        if todo == group:
+            cache.freeze(group[0], float_params)
+
+
+def _layer_outputs(layer: nn.Module, run: passes.LayerRunner, h: torch.Tensor, hf: torch.Tensor | None,
+                   float_params: dict | None, cache: tails.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's outputs on ``h`` (and with its float weights on ``hf``): the next layer's inputs."""
     out = torch.empty_like(h)
     out_f = torch.empty_like(hf) if hf is not None else None
-    for sl in _batches(s, t):
+    for sl in _batches(h.shape[0], h.shape[1]):
+        cache.select(0, sl)
         out[sl] = run(layer, h[sl])
         if out_f is not None:
+            cache.select(1, sl)
             out_f[sl] = run(layer, hf[sl], float_params)
-    layer.to_empty(device="meta")  # release this layer's weights
     return out, out_f
