@@ -51,10 +51,13 @@ class HessianAccumulator:
                 self._cross.addmm_(x2.t(), x_float.detach().reshape(-1, self.k).to(torch.float32))
             self.n += x2.shape[0]
 
-    def hessian(self) -> torch.Tensor:
-        """float32 [K, K] ``2/n * sum x x^T``."""
+    def _check_tokens(self) -> None:
         if self.n == 0:
             raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
+
+    def hessian(self) -> torch.Tensor:
+        """float32 [K, K] ``2/n * sum x x^T``."""
+        self._check_tokens()
         if not self._mirrored:
             _mirror_upper(self._sum, _panel(self.k))
             self._mirrored = True
@@ -64,14 +67,14 @@ class HessianAccumulator:
         """float32 [K, K] ``2/n * sum x x_float^T``: the cross term of :func:`asymmetric_shift`."""
         if self._cross is None:
             raise EdgeqError(f"{self.name}: this accumulator was made without cross=True")
-        if self.n == 0:
-            raise EdgeqError(f"{self.name}: no calibration tokens reached this layer; check the calibration data")
+        self._check_tokens()
         return self._cross * (2.0 / self.n)
 
 
 def _panel(k: int) -> int:
     """Rows per panel of :func:`_add_gram`: K // 8, at least 256 (one panel, a plain product, up to K = 256). On
-    2 AMD Zen 4 cores (fp32), 2,048 tokens: K = 8960 1.04 s instead of 1.82 s, K = 2048 60 ms instead of 99 ms."""
+    2 AMD Zen 4 cores (fp32), 2,048 tokens: K = 8960 1.04 s instead of 1.82 s, K = 2048 60 ms instead of 99 ms
+    (a throwaway timing of the two GEMM forms, not a script in benchmarks/)."""
     return max(256, k // 8)
 
 
