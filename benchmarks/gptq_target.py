@@ -2,7 +2,7 @@
 
     python benchmarks/gptq_target.py kld [--nsamples 4,8,32] [--seeds 0] [--ridge K/n,0.01] [--recipe quality]
     python benchmarks/gptq_target.py kld --calib edgeq/data/calib-prose.txt --targets float,layer
-    python benchmarks/gptq_target.py cost DIR [--windows 16x512] [--passes 2] [--layers N]
+    python benchmarks/gptq_target.py cost DIR [--windows 16x512] [--passes 2] [--layers N] [--dtype fp32|bf16|auto]
 
 ``kld``: real conversions of MODEL (default the bundled one) with ``--method gptq`` through
 ``edgeq.convert.pipeline.convert`` (``--recipe``, default ``quality``; ``--calib self`` unless ``--calib FILE``), one
@@ -13,7 +13,8 @@ a number r fixes the ridge at r instead (the driver's call is wrapped, nothing e
 
 ``cost``: the GPTQ driver alone (``gptq_model``: no sampling, no packing) on DIR, e.g. the two-layer Llama-3.2-1B
 shape ``python benchmarks/synthetic.py llama-3.2-1b DIR --layers 2`` writes, with seeded random token windows, fp32
-compute, the family recipe's g32 head; each pass runs every target in a fresh process, targets interleaved, and
+compute (``--dtype``: ``auto`` is what ``edgeq quantize`` picks on this CPU, bf16 where it has bf16 dot products), the
+family recipe's g32 head; each pass runs every target in a fresh process, targets interleaved, and
 prints its wall time, the decoder layers' and the head's shares of it (from the driver's progress calls) and peak
 RSS (ru_maxrss); ``--layers N`` stops after N decoder layers (a deep model's per-layer time without converting
 it all). Needs a quiet machine.
@@ -78,17 +79,19 @@ def kld(a) -> None:
                           f"{r.kld_mean_err:.5f} | {100 * r.top1_agreement:.1f}% |", flush=True)
 
 
-def _one_driver_run(model: str, target: str, s: int, t: int, layers: int = 0) -> dict:
+def _one_driver_run(model: str, target: str, s: int, t: int, layers: int = 0, dtype: str = "fp32") -> dict:
     """One driver run; with ``layers`` > 0 it stops after that many decoder layers (no head)."""
     from edgeq.convert.calibrate import gptq_model
+    from edgeq.convert.calibrated import compute_dtype
     from edgeq.scheme import Scheme
 
+    compute = compute_dtype() if dtype == "auto" else {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     windows = torch.randint(0, 2**31 - 1, (s, t), generator=torch.Generator().manual_seed(0))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     windows %= vocab
     marks = {}  # progress step -> seconds since the start: 0 the embeddings, 1..L the layers, L + 1 the head
     t0 = time.perf_counter()
-    for _ in gptq_model(model, windows, Scheme.parse("w4a16-g128"), compute_dtype=torch.float32, target=target,
+    for _ in gptq_model(model, windows, Scheme.parse("w4a16-g128"), compute_dtype=compute, target=target,
                         group_sizes={"lm_head": 32},
                         progress=lambda done, total, label: marks.__setitem__(done, time.perf_counter() - t0)):
         if layers and max(marks) >= layers:
@@ -96,28 +99,29 @@ def _one_driver_run(model: str, target: str, s: int, t: int, layers: int = 0) ->
     last, head = max(marks), None
     if not layers:
         last, head = last - 1, marks[last] - marks[last - 1]
-    return {"target": target, "seconds": time.perf_counter() - t0, "layers": marks[last] - marks[0], "head": head,
+    return {"target": target, "dtype": str(compute).removeprefix("torch."), "seconds": time.perf_counter() - t0,
+            "layers": marks[last] - marks[0], "head": head,
             "n_layers": last, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def cost(a) -> None:
     s, t = (int(x) for x in a.windows.split("x"))
-    print(f"{a.model}: {s} x {t} windows, {torch.get_num_threads()} threads\n\n"
+    print(f"{a.model}: {s} x {t} windows, {torch.get_num_threads()} threads, compute dtype {a.dtype}\n\n"
           "| pass | target | driver time | decoder layers | head | peak RSS |\n|---|---|---|---|---|---|")
     for p in range(a.passes):
         for target in a.targets.split(","):
-            run = subprocess.run([sys.executable, __file__, "_one", str(a.model), target, str(s), str(t), str(a.layers)],
+            run = subprocess.run([sys.executable, __file__, "_one", str(a.model), target, str(s), str(t), str(a.layers), a.dtype],
                                  capture_output=True, text=True, check=True)
             r = json.loads(run.stdout.strip().splitlines()[-1])
             head = "-" if r["head"] is None else f"{r['head']:.0f} s"
-            print(f"| {p + 1} | {target} | {r['seconds']:.0f} s | {r['layers']:.0f} s ({r['n_layers']}: "
+            print(f"| {p + 1} | {target} ({r['dtype']}) | {r['seconds']:.0f} s | {r['layers']:.0f} s ({r['n_layers']}: "
                   f"{r['layers'] / r['n_layers']:.1f} s each) | {head} | {r['peak_mib']:,.0f} MiB |", flush=True)
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:  # a cost pass's child process
-        print(json.dumps(_one_driver_run(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]))))
+        print(json.dumps(_one_driver_run(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]), *argv[6:7])))
         return
     from edgeq.keys import DATA
 
@@ -138,6 +142,8 @@ def main(argv=None) -> None:
     c.add_argument("--passes", type=int, default=2)
     c.add_argument("--targets", default=",".join(TARGETS))
     c.add_argument("--layers", type=int, default=0, help="stop after this many decoder layers (no head); 0: the whole model")
+    c.add_argument("--dtype", choices=("fp32", "bf16", "auto"), default="fp32",
+                   help="the driver's compute dtype (auto: edgeq quantize's choice on this CPU)")
     a = ap.parse_args(argv)
     (kld if a.what == "kld" else cost)(a)
 

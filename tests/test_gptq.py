@@ -11,7 +11,7 @@ from edgeq.layouts import gptq as lg
 from edgeq.layouts import tinygemm as tg
 from edgeq.quantize import rtn
 from edgeq.quantize.gptq import concat_rows, gptq_quantize
-from edgeq.quantize.hessian import HessianAccumulator, asymmetric_shift, prepare_hessian
+from edgeq.quantize.hessian import HessianAccumulator, asymmetric_shift, prepare_hessian, target_delta
 from helpers.gptq import make_gptq, pack_gptq, to_int32
 
 LAYOUT = tg.probe()
@@ -296,6 +296,41 @@ def test_asymmetric_shift_worked_example_and_least_squares():
         asymmetric_shift(hq, hq[:, :11], 0.01, 400, name="m")
     with pytest.raises(EdgeqError, match="is not positive definite; use --gptq-target layer"):
         asymmetric_shift(-torch.eye(3), torch.eye(3), 0.01, 400)
+
+
+def test_output_form_of_the_cross_term_gives_the_same_target():
+    """Given the float weights W [N, K], the accumulator keeps R = 2/n X~^T (X - X~) W^T [K, N] over batches (fp64
+    reference; the caller's tensors untouched) beside the same H, and target_delta(H, R) is asymmetric_shift's
+    W S to fp32 rounding, ridge included; the docstring's K = 1 example (W = 2: D = 2/9); bad shapes are refused."""
+    g = torch.Generator().manual_seed(5)
+    k, n, t = 48, 6, 300
+    xf = torch.randn(t, k, generator=g) @ torch.randn(k, k, generator=g) / k**0.5
+    xq = xf + 0.1 * torch.randn(t, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    full, out = HessianAccumulator(k, "m", cross=True), HessianAccumulator(k, "m", cross=True, weight=w)
+    xf0, xq0 = xf.clone(), xq.clone()
+    for sl in (slice(0, 100), slice(100, t)):
+        full.add(xq[sl], xf[sl])
+        out.add(xq[sl], xf[sl])
+    assert torch.equal(xf, xf0) and torch.equal(xq, xq0)
+    r_ref = 2 / t * xq.double().t() @ ((xf - xq).double() @ w.double().t())
+    R = out.cross()
+    assert R.shape == (k, n) and torch.allclose(R.double(), r_ref, rtol=0, atol=1e-5 * float(r_ref.abs().max()))
+    H = full.hessian()
+    assert torch.equal(out.hessian(), H)
+    for tokens in (t, 10**9):  # the K / n ridge and (almost) none
+        ws = w.double() @ asymmetric_shift(H, full.cross(), damp=0.01, tokens=tokens).double()
+        d = target_delta(H, R, damp=0.01, tokens=tokens)
+        assert d.shape == (n, k) and float((d.double() - ws).abs().max()) < 1e-4 * float(ws.abs().max())
+    x = torch.tensor([[1.0], [2.0], [-3.0]])
+    acc = HessianAccumulator(1, cross=True, weight=torch.tensor([[2.0]]))
+    acc.add(0.9 * x, x)
+    assert abs(float(target_delta(acc.hessian(), acc.cross(), damp=1e-9, tokens=10**9)) - 2 / 9) < 1e-6
+    for bad in ({"weight": torch.zeros(2, 4)}, {"cross": True, "weight": torch.zeros(2, 5)}):
+        with pytest.raises(EdgeqError, match=r"m: an output-side cross term needs cross=True and a weight \[N, 4\]"):
+            HessianAccumulator(4, "m", **bad)
+    with pytest.raises(EdgeqError, match=r"m: the Hessian \[12, 12\] and the output cross term \[11, 3\] must be"):
+        target_delta(torch.eye(12), torch.zeros(11, 3), 0.01, 400, name="m")
 
 
 def test_identity_hessian_is_rtn():

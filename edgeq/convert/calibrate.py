@@ -23,12 +23,15 @@ decoder layer, in execution order, then for the head (``head_module``: the recip
 
 With the float target (the default, ``target="float"``) a second stream runs beside the first: the float model's
 activations, through a copy of each layer's float weights, give each group a cross term beside its Hessian, and each
-Linear is quantised towards the float model's outputs (:func:`edgeq.quantize.hessian.asymmetric_shift`).
+Linear is quantised towards the float model's outputs (:func:`edgeq.quantize.hessian.asymmetric_shift`; where a
+group has fewer than half as many outputs as inputs, down_proj, from the cross term's output form,
+:func:`edgeq.quantize.hessian.target_delta`, the same target for fewer flops).
 
 Peak memory: one layer's weights (compute dtype, plus one Linear in fp32 while it is quantised), the layer's
 Hessians (4 K^2 bytes each), two copies of the calibration activations (S * T * D in the compute dtype) and one
 batch's intermediate activations; the float target adds a copy of the layer's weights, two more copies of the
-activations and, per group, the cross term and the shift (4 K^2 bytes each); the tails' activations, per stream
+activations and, per group, the cross term and the shift (4 K^2 bytes each; 4 K N each for down_proj, whose cross
+term is kept in its output form: :func:`edgeq.quantize.hessian.target_delta`); the tails' activations, per stream
 tokens x (hidden + intermediate) in the compute dtype, up to :data:`edgeq.convert.tails.CACHE_BYTES` a layer. The
 head is processed in row blocks of ~``ROW_BLOCK_ELEMENTS`` weights.
 
@@ -51,7 +54,7 @@ from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
 from edgeq.quantize.gptq import GROUP_PARAMS, GPTQResult, concat_rows, gptq_quantize
-from edgeq.quantize.hessian import HessianAccumulator, PreparedHessian, asymmetric_shift, prepare_hessian
+from edgeq.quantize.hessian import HessianAccumulator, PreparedHessian, asymmetric_shift, prepare_hessian, target_delta
 from edgeq.scheme import Scheme
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -145,13 +148,15 @@ def _batches(s: int, t: int) -> list[slice]:
 
 
 def _hessian_for(layer: nn.Module, member: str, run: passes.LayerRunner, h: torch.Tensor, name: str, cache: tails.Cache,
-                 hf: torch.Tensor | None = None, float_params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 hf: torch.Tensor | None = None, float_params: dict | None = None,
+                 weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(H, C)``: ``H = 2/n X~^T X~`` over the inputs X~ the Linear ``member`` (its name in the layer) receives in
     the layer as it is (earlier groups quantised) on ``h``; with the float stream (``hf``, the float model's inputs to
     this layer, and the layer's float weights ``float_params``) also ``C = 2/n X~^T X`` against the inputs X the
-    float model gives it (else None). ``cache`` serves the children already frozen and keeps a tail's inputs."""
+    float model gives it, or given the group's float ``weight`` W [N, K] its output form ``2/n X~^T (X - X~) W^T``
+    (else None). ``cache`` serves the children already frozen and keeps a tail's inputs."""
     linear = layer.get_submodule(member)
-    acc = HessianAccumulator(linear.in_features, name, cross=hf is not None)
+    acc = HessianAccumulator(linear.in_features, name, cross=hf is not None, weight=weight)
     for sl in _batches(h.shape[0], h.shape[1]):
         xf = None
         if hf is not None:
@@ -166,11 +171,13 @@ def _hessian_for(layer: nn.Module, member: str, run: passes.LayerRunner, h: torc
 
 
 def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Tensor, scheme: Scheme, opts: dict, keep_w_hat: bool,
-                   prep: PreparedHessian | None = None, shift: torch.Tensor | None = None) -> GPTQResult:
+                   prep: PreparedHessian | None = None, shift: torch.Tensor | None = None,
+                   delta: torch.Tensor | None = None) -> GPTQResult:
     """GPTQ one weight (read from the checkpoint) in row blocks under one factorisation of H (``prep``, shared by
     the modules that read one input; made here if None). ``shift`` (fp32 [K, K], :func:`asymmetric_shift`): each
-    row block ``w`` is quantised as ``v = w + w @ shift``, the target that makes up for the quantised inputs; the
-    result's output error is then GPTQ's fit to v under H, its per-row squared errors those against w."""
+    row block ``w`` is quantised as ``v = w + w @ shift``, the target that makes up for the quantised inputs; or
+    ``delta`` (fp32 [N, K], :func:`target_delta`): as ``v = w + delta[rows]``, the same target. The result's output
+    error is then GPTQ's fit to v under H, its per-row squared errors those against w."""
     info = ckpt.tensors.get(tensor)
     if info is None:
         raise EdgeqError(f"{ckpt.root}: tensor {tensor} not found")
@@ -182,14 +189,14 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
     for a in range(0, n, step):
         b = min(n, a + step)
         w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
-        w32 = w.to(torch.float32) if shift is not None else None
-        v = w if w32 is None else w32.addmm(w32, shift)
+        w32 = w.to(torch.float32) if shift is not None or delta is not None else None
+        v = w if w32 is None else w32.addmm(w32, shift) if shift is not None else w32 + delta[a:b]
         r = gptq_quantize(
             v, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
-            static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat or shift is not None,
+            static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat or w32 is not None,
             prepared=prep, group_params=opts["group_params"],
         )
-        if shift is not None:  # the weight error against the checkpoint's weights, not against the target
+        if w32 is not None:  # the weight error against the checkpoint's weights, not against the target
             err = (w32 - _natural_w_hat(r)).square_()
             r = replace(r, sq_error=err.sum(-1, dtype=torch.float64), sq_norm=w32.square().sum(-1, dtype=torch.float64),
                         w_hat=r.w_hat if keep_w_hat else None)
@@ -317,21 +324,49 @@ def _calibrate_groups(ckpt: Checkpoint, layer: nn.Module, prefix: str, groups: l
         todo = [n for n in group if prefix + n not in keep]
         if not todo:
             continue
-        H, C = _hessian_for(layer, group[0], run, h, prefix + group[0], cache, hf, float_params)
+        weight = _output_form_weight(todo, linears, float_params)
+        H, C = _hessian_for(layer, group[0], run, h, prefix + group[0], cache, hf, float_params, weight)
         if observe:
             observe(prefix + group[0], H)
         prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
-        shift = asymmetric_shift(H, C, opts["damp"], tokens, name=prefix + group[0]) if C is not None else None
-        del C  # consumed by the shift
+        rows = {n: linears[n].out_features for n in todo}
+        shift, deltas = _float_targets(H, C, rows, weight is not None, opts["damp"], tokens, prefix + group[0])
+        del C, weight  # consumed by the shift
         for n in todo:
             r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True, prep=prep,
-                               shift=shift)
+                               shift=shift, delta=deltas.get(n))
             with torch.no_grad():
                 linears[n].weight.copy_(_natural_w_hat(r).to(compute_dtype))
             yield prefix + n, replace(r, w_hat=None)
-        del H, prep, shift
+        del H, prep, shift, deltas
         if todo == group:
             cache.freeze(group[0], float_params)
+
+
+def _output_form_weight(members: list[str], linears: dict, float_params: dict | None) -> torch.Tensor | None:
+    """The members' float weights stacked (fp32 [N, K]) where the float target's cross term is cheaper in its output
+    form (:meth:`HessianAccumulator.cross`: 4 n K N flops against 2 n K^2, and a solve with N instead of K
+    right-hand sides), i.e. where 2 N < K: down_proj (K = 8192, N = 2048 on Llama-3.2-1B). None elsewhere and
+    without the float stream."""
+    if float_params is None:
+        return None
+    n_out, k = sum(linears[n].out_features for n in members), linears[members[0]].in_features
+    if 2 * n_out >= k:
+        return None
+    return torch.cat([float_params[n + ".weight"].to(torch.float32) for n in members])
+
+
+def _float_targets(H: torch.Tensor, C: torch.Tensor | None, rows: dict[str, int], output_form: bool,
+                   damp: float, tokens: int, name: str) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """What moves each member (``rows``: its output rows, in the order its weight was stacked) to the float target:
+    (the shared shift S, {}) from the cross term C, or (None, {member: its rows of the correction D}) from its output
+    form; (None, {}) without C."""
+    if C is None:
+        return None, {}
+    if not output_form:
+        return asymmetric_shift(H, C, damp, tokens, name=name), {}
+    d = target_delta(H, C, damp, tokens, name=name)
+    return None, dict(zip(rows, d.split(list(rows.values()))))
 
 
 def _layer_outputs(layer: nn.Module, run: passes.LayerRunner, h: torch.Tensor, hf: torch.Tensor | None,
