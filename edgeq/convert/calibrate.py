@@ -190,7 +190,7 @@ def _quantize_rows(ckpt: Checkpoint, tensor: str, module_name: str, H: torch.Ten
         b = min(n, a + step)
         w = ckpt.read(tensor, (a, b)) if (a, b) != (0, n) else ckpt.read(tensor)
         w32 = w.to(torch.float32) if shift is not None or delta is not None else None
-        v = w if w32 is None else w32.addmm(w32, shift) if shift is not None else w32 + delta[a:b]
+        v = w if w32 is None else (w32.addmm(w32, shift) if shift is not None else w32 + delta[a:b])
         r = gptq_quantize(
             v, H, opts["group_sizes"].get(module_name, scheme.group_size), act_order=opts["act_order"], block_size=opts["block_size"],
             static_groups=opts["static_groups"], name=module_name, keep_dequantized=keep_w_hat or w32 is not None,
@@ -324,12 +324,12 @@ def _calibrate_groups(ckpt: Checkpoint, layer: nn.Module, prefix: str, groups: l
         todo = [n for n in group if prefix + n not in keep]
         if not todo:
             continue
-        weight = _output_form_weight(todo, linears, float_params)
+        rows = {n: linears[n].out_features for n in todo}
+        weight = _output_form_weight(rows, linears[group[0]].in_features, float_params)
         H, C = _hessian_for(layer, group[0], run, h, prefix + group[0], cache, hf, float_params, weight)
         if observe:
             observe(prefix + group[0], H)
         prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
-        rows = {n: linears[n].out_features for n in todo}
         shift, deltas = _float_targets(H, C, rows, weight is not None, opts["damp"], tokens, prefix + group[0])
         del C, weight  # consumed by the shift
         for n in todo:
@@ -343,17 +343,15 @@ def _calibrate_groups(ckpt: Checkpoint, layer: nn.Module, prefix: str, groups: l
             cache.freeze(group[0], float_params)
 
 
-def _output_form_weight(members: list[str], linears: dict, float_params: dict | None) -> torch.Tensor | None:
-    """The members' float weights stacked (fp32 [N, K]) where the float target's cross term is cheaper in its output
-    form (:meth:`HessianAccumulator.cross`: 4 n K N flops against 2 n K^2, and a solve with N instead of K
-    right-hand sides), i.e. where 2 N < K: down_proj (K = 8192, N = 2048 on Llama-3.2-1B). None elsewhere and
-    without the float stream."""
-    if float_params is None:
+def _output_form_weight(rows: dict[str, int], k: int, float_params: dict | None) -> torch.Tensor | None:
+    """The members' float weights stacked in ``rows``' order (fp32 [N, K]; ``rows``: member -> output rows, K their
+    inputs) where the float target's cross term is cheaper in its output form (:meth:`HessianAccumulator.cross`:
+    4 n K N flops against 2 n K^2, and a solve with N instead of K right-hand sides), i.e. where 2 N < K: down_proj
+    (K = 8192, N = 2048 on Llama-3.2-1B). None elsewhere and without the float stream. The weights are the layer's
+    float parameters, in the compute dtype: a bf16 copy of fp32 weights rounds the correction D by 2^-9 of itself."""
+    if float_params is None or 2 * sum(rows.values()) >= k:
         return None
-    n_out, k = sum(linears[n].out_features for n in members), linears[members[0]].in_features
-    if 2 * n_out >= k:
-        return None
-    return torch.cat([float_params[n + ".weight"].to(torch.float32) for n in members])
+    return torch.cat([float_params[n + ".weight"].to(torch.float32) for n in rows])
 
 
 def _float_targets(H: torch.Tensor, C: torch.Tensor | None, rows: dict[str, int], output_form: bool,
