@@ -55,10 +55,10 @@ class HessianAccumulator:
                 raise EdgeqError(f"{self.name}: tokens added after the Hessian was read")
             _add_gram(self._sum, x2)
             if self._cross is not None:
-                xf = x_float.detach().reshape(-1, self.k).to(torch.float32)
-                if self._weight is not None:  # the output form: X~^T ((X - X~) W^T)
-                    xf = (xf - x2) @ self._weight.t()  # not in place: xf may be the caller's
-                self._cross.addmm_(x2.t(), xf)
+                xf = x_float.detach().reshape(-1, self.k)
+                if self._weight is not None:  # the output form: X~^T ((X - X~) W^T); bf16 - fp32 widens exactly
+                    xf = (xf - x2) @ self._weight.t()
+                self._cross.addmm_(x2.t(), xf.to(torch.float32))
             self.n += x2.shape[0]
 
     def _check_tokens(self) -> None:
