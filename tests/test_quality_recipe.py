@@ -52,3 +52,26 @@ def test_a_family_gptq_cannot_calibrate_is_refused(tmp_path, capsys):
     code, _, err = run_cli(["quantize", src, "-o", tmp_path / "o", "--recipe", "quality", "-q"], capsys)
     assert code == 2 and "model_type 'gemma2' is not supported by GPTQ calibration" in err, err
     assert not (tmp_path / "o").exists()
+
+
+HINT = "for a lower KLD without calibration data: `edgeq quantize --recipe quality --calib self`"
+
+
+def test_the_default_command_points_to_the_recipe_where_it_applies(tmp_path, capsys):
+    """After the plain default command on a family GPTQ calibrates, one line on stderr names the data-free recipe;
+    not after a family it cannot calibrate, nor once the user chose a method, recipe, scheme or calibration, nor with
+    -q or --json (whose stdout stays one JSON document)."""
+    llama, gemma = save_tiny("llama", tmp_path / "l", tied=True), save_tiny("gemma2", tmp_path / "g", tied=True)
+
+    def hint(*args):
+        code, stdout, err = run_cli(["quantize", *args, "-o", tmp_path / "o", "--force"], capsys)
+        assert code == 0, err
+        return stdout, HINT in " ".join(err.split())
+
+    stdout, shown = hint(llama)
+    assert shown and HINT not in stdout and stdout.startswith("wrote ")
+    assert not hint(gemma)[1]
+    for chosen in (["--method", "rtn"], ["--recipe", "llama"], ["--scheme", "w4a16-g128"], ["-q"]):
+        assert not hint(llama, *chosen)[1], chosen
+    stdout, shown = hint(llama, "--json")
+    assert not shown and stdout.lstrip().startswith("{")

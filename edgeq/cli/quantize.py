@@ -24,6 +24,10 @@ _SEQLEN_HELP = "--method gptq: tokens per window [default: 512 for a text; 256 f
 _CALIB_HELP = ("--method gptq: calibration text, or 'self': token ids sampled from the model itself (seed 0; default "
                "256-token windows, max(32, 4 x the widest Linear input / 256) of them) [default: the bundled "
                "edgeq/data/calib-prose.txt].")
+# Printed after a default conversion the quality recipe could have done (docs/results.md "Quality per byte").
+_QUALITY_HINT = ("for a lower KLD without calibration data: `edgeq quantize --recipe quality --calib self` (GPTQ on "
+                 "tokens sampled from the model: a longer conversion with more memory, a smaller checkpoint; "
+                 "docs/gptq.md)")
 _GPTQ_PARAMS_HELP = ("--method gptq: each group's scale and zero, chosen when the sweep reaches it: search (the rtn "
                      "least-squares search on its error-updated values) | minmax (GPTQ's original; the default "
                      "before 2026-12-02) [default: search].")
@@ -72,13 +76,8 @@ def quantize(
 ) -> None:
     """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
     from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415 (torch: only when the command runs)
-    from edgeq.route import resolve_scheme  # noqa: PLC0415
-    from edgeq.scheme import Scheme  # noqa: PLC0415
 
-    chosen = resolve_scheme(scheme)  # auto: measured once per machine by `edgeq route`, then cached
-    if chosen != scheme:
-        err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
-    parsed = Scheme.parse(chosen) if chosen else None
+    parsed = _parse_scheme(scheme)
     check_method(method)
     prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize, head_from=head_from,
                        gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed, gptq_params,
@@ -93,6 +92,31 @@ def quantize(
                                                max_shard_bytes=parse_bytes(max_shard_size)),
                             plan.bytes_in + plan.head.bytes_in * plan.tied + _extra_reads(plan), quiet or as_json)
     emit(report, as_json, _render_convert)
+    if not (quiet or as_json) and scheme is method is recipe is calib is None:
+        _suggest_quality(plan)
+
+
+def _parse_scheme(scheme: str | None):
+    """--scheme as a Scheme (None: the recipe's); ``auto`` becomes what `edgeq route` measured on this machine (then
+    cached), said on stderr."""
+    from edgeq.route import resolve_scheme  # noqa: PLC0415
+    from edgeq.scheme import Scheme  # noqa: PLC0415
+
+    chosen = resolve_scheme(scheme)
+    if chosen != scheme:
+        err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
+    return Scheme.parse(chosen) if chosen else None
+
+
+def _suggest_quality(plan) -> None:
+    """After the plain default command: one line naming the ``quality`` recipe where it could have converted the same
+    input (a float checkpoint of a family edgeq's GPTQ calibrates, converted by its family recipe: ``rtn``, W4A16)."""
+    from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from edgeq.keys import Kernel  # noqa: PLC0415
+
+    family = plan.recipe in SUPPORTED_MODEL_TYPES  # a family recipe is named after its model_type
+    if family and plan.method == "rtn" and not plan.source and plan.scheme.kernel == Kernel.W4A16:
+        err.print(_QUALITY_HINT, highlight=False, soft_wrap=True)
 
 
 def _dry_run(plan, as_json: bool) -> None:
