@@ -241,3 +241,33 @@ def test_batching_and_the_one_thread_rule_follow_the_rows_of_a_batch(monkeypatch
     monkeypatch.setattr(selfcal, "MAX_ROWS", 2)
     pairs, rec2 = selfcal.sample_windows(FIXTURE, 4, 8, seed=0)
     assert rec2["rows_per_batch"] == 2 and float((pairs == whole).double().mean()) > 0.95
+
+
+def test_sampling_progress_says_tokens_and_time_left_at_most_once_a_period(capsys):
+    """The elapsed time scaled by the tokens left; nothing before the first period, nothing at the end."""
+    from edgeq.convert.calibrated import sampling_progress
+
+    now = [0.0]
+    report = sampling_progress(every=60.0, clock=lambda: now[0])
+    for t, done in ((30, 4096), (120, 8192), (150, 12288), (200, 16384), (270, 28672), (300, 32768)):
+        now[0] = t
+        report(done, 32768)
+    assert capsys.readouterr().err.splitlines() == [
+        "--calib self: 8,192 / 32,768 tokens (25%) in 120 s, about 6 min left",  # 120 s x 24,576 / 8,192 = 360 s
+        "--calib self: 16,384 / 32,768 tokens (50%) in 200 s, about 3 min left",  # 200 s
+        "--calib self: 28,672 / 32,768 tokens (88%) in 270 s, about 39 s left",  # 270 s x 4,096 / 28,672 = 38.6 s
+    ]
+
+
+def test_the_cli_reports_sampling_progress(tmp_path, capsys, monkeypatch):
+    """`edgeq quantize --calib self` hands the sampler its progress lines (here every step: the period set to 0)."""
+    from edgeq.convert import calibrated
+
+    every_step = calibrated.sampling_progress
+    monkeypatch.setattr(calibrated, "sampling_progress", lambda: every_step(every=0.0))
+    code, _, err = run_cli(["quantize", FIXTURE, "-o", tmp_path / "o", "--method", "gptq", "--calib", "self",
+                            "--nsamples", "2", "--seqlen", "16", "-q"], capsys)
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if " tokens (" in ln]
+    assert len(lines) == 15 and lines[0].startswith("--calib self: 2 / 32 tokens (6%) in ") and \
+        lines[-1].startswith("--calib self: 30 / 32 tokens (94%) in "), lines
