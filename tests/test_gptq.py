@@ -554,3 +554,37 @@ def test_searched_group_parameters_lower_the_output_error(act_order):
     assert searched.output_error < 0.9 * minmax.output_error, (searched.output_error, minmax.output_error)
     with pytest.raises(EdgeqError, match="lm_head: group_params 'mse' is not one of search, minmax"):
         gptq_quantize(w, h, 32, name="lm_head", group_params="mse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_lower_cholesky_in_place_is_torch_cholesky_bit_for_bit(k, flip, dtype):
+    """The in-place factorisation (one [K, K] copy) gives torch.linalg.cholesky_ex's factor of the same damped
+    (and, with flip, reversed) matrix exactly, column-major as torch returns it; the input stays as it was; a matrix
+    that is not positive definite comes back with LAPACK's info > 0."""
+    from edgeq.quantize.hessian import _lower_cholesky
+
+    _, h, _ = correlated_layer(n=4, k=k, tokens=3 * k + 8, seed=k)
+    h = h + torch.triu(torch.rand(k, k), 1) * 1e-3  # not exactly symmetric: the lower triangle is what counts
+    before = h.clone()
+    add = 0.01 * float(h.diagonal().mean())
+    low, info = _lower_cholesky(h, dtype, add, flip=flip)
+    a = (h.flip(0, 1) if flip else h).to(dtype, copy=True)
+    a.diagonal().add_(add)
+    ref, ref_info = torch.linalg.cholesky_ex(a)
+    assert info == int(ref_info) == 0 and torch.equal(low, ref) and low.stride() == ref.stride() == (1, k)
+    assert torch.equal(h, before)
+    bad = -torch.eye(k)
+    assert _lower_cholesky(bad, dtype, 0.0)[1] > 0
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dead", [(), (3, 100)])
+def test_prepare_hessian_leaves_the_callers_hessian_untouched(dead, act_order):
+    """prepare_hessian copies H only to decouple dead channels: the caller's H (shared by every Linear reading that
+    input, and by the float target's solve) is never written."""
+    _, h, _ = correlated_layer(dead=dead)
+    before = h.clone()
+    prep = prepare_hessian(h, 0.01, act_order)
+    assert torch.equal(h, before) and prep.dead == len(dead)

@@ -133,6 +133,20 @@ def _inverse_upper(r: torch.Tensor, leaf: int = 512) -> torch.Tensor:
     return out
 
 
+def _lower_cholesky(h: torch.Tensor, dtype: torch.dtype, add: float, flip: bool = False) -> tuple[torch.Tensor, int]:
+    """The lower Cholesky factor L of ``h + add * I`` (of ``h`` reversed in both dimensions first, if ``flip``; the
+    reversal maps the diagonal onto itself) in ``dtype``, and LAPACK's info (0: positive definite). L is factored in
+    place in a column-major copy, LAPACK's own layout, where ``torch.linalg.cholesky_ex`` would hold the damped copy and
+    its own column-major result at once: one [K, K] copy instead of two (K = 8192: 256 MiB each in fp32), the same
+    values in the same layout (L comes back column-major either way), hence the same bits."""
+    a = torch.empty_strided(h.shape, (1, h.shape[0]), dtype=dtype)
+    a.copy_(h.flip(0, 1) if flip else h)
+    a.diagonal().add_(add)
+    info = torch.empty((), dtype=torch.int32)
+    torch.linalg.cholesky_ex(a, out=(a, info))
+    return a, int(info)
+
+
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor U of (H + d*mean(diag H)*I)^-1 (fp32) and the relative damping d that worked.
 
@@ -148,12 +162,13 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> tuple[torch.Te
     steps.append(1.0)
     for d in steps:
         for dtype in (torch.float32, torch.float64):
-            h2 = h.to(dtype, copy=True)
-            h2.diagonal().add_(d * mean)
-            low, info = torch.linalg.cholesky_ex(h2.flip(0, 1))
-            if int(info):
+            low, info = _lower_cholesky(h, dtype, d * mean, flip=True)
+            if info:
                 continue
-            u = _inverse_upper(low.flip(0, 1))
+            r = low.flip(0, 1)  # each [K, K] copy released once the next exists (K = 8192: 256 MiB each in fp32)
+            del low
+            u = _inverse_upper(r)
+            del r
             if not bool(torch.isfinite(u).all()) or not bool((u.diagonal() > 0).all()):
                 continue
             return u.to(torch.float32), d
@@ -210,11 +225,8 @@ def _ridge(H: torch.Tensor, damp: float, tokens: int, name: str) -> float:
 def _ridge_solve(H: torch.Tensor, rhs: torch.Tensor, lam: float, damp: float, name: str) -> torch.Tensor:
     """``((H + lam I)^-1 rhs)^T`` (fp32; fp64 if fp32's Cholesky fails). The result may be a transposed view."""
     for dtype in (torch.float32, torch.float64):
-        a = H.to(dtype, copy=True)
-        a.diagonal().add_(lam)
-        low, info = torch.linalg.cholesky_ex(a)
-        del a
-        if int(info):
+        low, info = _lower_cholesky(H, dtype, lam)
+        if info:
             continue
         t = torch.cholesky_solve(rhs.to(dtype), low)
         del low
@@ -250,10 +262,12 @@ def prepare_hessian(H: torch.Tensor, damp: float = 0.01, act_order: bool = False
         raise EdgeqError(f"{name}: damp={damp} must be in (0, 1]")
     if not bool(torch.isfinite(H).all()):
         raise EdgeqError(f"{name}: the Hessian has NaN/Inf entries (calibration activations overflowed)")
-    h = H.to(torch.float32).clone()
+    h = H.to(torch.float32)
     diag = h.diagonal().clone()
     dead = diag == 0
-    h[dead, dead] = 1.0  # decoupled: the error of a dead column goes nowhere, and nothing flows into it
+    if bool(dead.any()):  # a copy only then: H is the caller's (K = 8192: 256 MiB)
+        h = h.clone()
+        h[dead, dead] = 1.0  # decoupled: the error of a dead column goes nowhere, and nothing flows into it
     perm = torch.sort(diag, descending=True, stable=True).indices if act_order else None
     if perm is not None:
         h = h[perm][:, perm]
