@@ -329,9 +329,10 @@ def _calibrate_groups(ckpt: Checkpoint, layer: nn.Module, prefix: str, groups: l
         H, C = _hessian_for(layer, group[0], run, h, prefix + group[0], cache, hf, float_params, weight)
         if observe:
             observe(prefix + group[0], H)
+        # the float target's solve before GPTQ's factorisation: their [K, K] copies are never held at once
         shift, deltas = _float_targets(H, C, rows, weight is not None, opts["damp"], tokens, prefix + group[0])
-        del C, weight  # consumed by the shift; before GPTQ's factorisation, so that their solve's [K, K] copies and it
-        prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # are never held at once
+        del C, weight  # consumed by the shift
+        prep = prepare_hessian(H, opts["damp"], opts["act_order"], name=prefix + group[0])  # once for the group
         for n in todo:
             r = _quantize_rows(ckpt, prefix + n + ".weight", prefix + n, H, scheme, opts, keep_w_hat=True, prep=prep,
                                shift=shift, delta=deltas.get(n))
