@@ -185,6 +185,45 @@ def test_serve_json_startup_line(tmp_path):
     assert proc.stdout.read() == ""  # nothing after the startup line (no access log on stdout)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_serve_stops_on_a_signal_at_once_and_says_so(sig):
+    """SIGTERM (docker stop, systemd) and Ctrl-C end a generation in progress (503 to its client) instead of waiting
+    for it, and a requested stop is success: exit 0, one line, no traceback."""
+    import signal
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "edgeq.cli", "serve", str(FIXTURE), "--port", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready, "no startup line within 300 s"
+        url = json.loads(proc.stdout.readline())["url"]
+        answer = {}
+        body = json.dumps({"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+
+        def stream():
+            with urllib.request.urlopen(request, timeout=60) as r:
+                answer["first"] = r.readline()  # the first event: the generation is running
+                started.set()
+                answer["rest"] = r.read().decode()
+
+        started = threading.Event()
+        client = threading.Thread(target=stream)
+        client.start()
+        assert started.wait(120) and answer["first"].startswith(b"data: {")
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=30) == 0
+        client.join(30)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert f"edgeq serve: stopped ({sig})" in err and "Traceback" not in err, err
+    assert '"code": "server_shutting_down"' in answer["rest"] and answer["rest"].endswith("data: [DONE]\n\n")
+
+
 def test_serve_port_in_use_names_the_flag(capsys):
     import socket
 

@@ -127,7 +127,9 @@ def test_neutral_values_of_unsupported_fields_are_accepted(served):
 @pytest.mark.parametrize("body, param, code, message", [
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages", "unsupported_value", "messages[0].content[1]: only text parts"),
+     "messages[0].content[1]", "unsupported_value", "messages[0].content[1]: only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text", "invalid_type", "messages[0].content[0].text: must be a string, got 5"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value", "messages[0].role: "),
     ({"messages": MSGS, "top_logprobs": 2}, "top_logprobs", "invalid_value", "requires logprobs=true"),
 ])
@@ -275,3 +277,110 @@ def test_internal_error_is_a_json_500_on_a_live_connection(served, monkeypatch, 
         assert conn.sock is sock and conn.getresponse().status == 200
     finally:
         conn.close()
+
+
+# ------------------------------------------------------------------------- bodies the parser or tokenizer cannot take
+
+@pytest.mark.parametrize("body, message", [
+    (b"[" * 5000, "nested too deeply"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}", "nested too deeply"),
+    (b'{"prompt": "\\ud800"}', "lone UTF-16 surrogate (\\ud800)"),
+    (b'{"prompt": ["a\\udc80"]}', "lone UTF-16 surrogate (\\udc80)"),
+    (b'{"model": "\\ud800", "prompt": "hi"}', "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "\\udc80"}]}', "lone UTF-16 surrogate"),
+], ids=["deep-array", "deep-field", "surrogate-prompt", "surrogate-list", "surrogate-model", "surrogate-chat"])
+def test_json_no_reply_could_be_made_of_is_a_400(served, body, message):
+    url = served[0]
+    path = CHAT if b"messages" in body else CMPL
+    r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    err = _error(r, 400)
+    assert err["code"] == "invalid_json" and message in err["message"], err
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("path, field, value", [
+    (CMPL, "max_tokens", "5"), (CMPL, "max_tokens", True), (CMPL, "max_tokens", 5.0), (CMPL, "stream", "yes"),
+    (CMPL, "temperature", "0.5"), (CMPL, "logprobs", True), (CHAT, "logprobs", 1), (CHAT, "max_tokens", "3"),
+    (CMPL, "prompt", [True, False]), (CMPL, "prompt", 5), (CMPL, "prompt", {"text": "hi"}), (CMPL, "prompt", [1, "a"]),
+])
+def test_a_value_of_the_wrong_json_type_is_refused_not_converted(served, path, field, value):
+    body = {"prompt": "Once"} if path == CMPL else {"messages": MSGS}
+    err = _error(_post(served[0], path, {**body, "max_tokens": 2, field: value}), 400)
+    assert err["param"] == field and err["code"] == "invalid_type" and err["message"].startswith(f"{field}: "), err
+
+
+def test_integers_are_numbers(served):
+    r = _post(served[0], CMPL, {"prompt": "Once", "max_tokens": 2, "temperature": 1, "top_p": 1, "seed": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_prompt_forms_openai_allows(served):
+    url, lm, _ = served
+    ids = lm.tokenizer("Once upon")["input_ids"]
+    body = {"max_tokens": 4, "temperature": 0}
+    texts = [_post(url, CMPL, {**body, "prompt": p}).json()["choices"][0]["text"]
+             for p in ("Once upon", ["Once upon"], ids, [ids])]
+    assert len(set(texts)) == 1 and texts[0]
+    err = _error(_post(url, CMPL, {**body, "prompt": [ids, ids]}), 400)
+    assert "batching is not supported" in err["message"] and err["param"] == "prompt"
+    err = _error(_post(url, CMPL, {**body, "prompt": ""}), 400)
+    assert err["param"] == "prompt" and err["message"] == "prompt: empty (0 tokens); send at least one token"
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300},
+                                   {"top_p": 1e-45, "temperature": 2}])
+def test_sampling_values_at_the_edge_of_their_range_are_the_greedy_limit(served, extra):
+    url = served[0]
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True, "seed": 1}
+    greedy = _post(url, CMPL, {**body, "temperature": 0}).json()["choices"][0]["text"]
+    for stream in (False, True):
+        r = _post(url, CMPL, {**body, **extra, "stream": stream})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"] if not stream else "".join(
+            json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+            if line.startswith("data: {"))
+        assert text == greedy
+
+
+def test_health_answers_head(served):
+    r = httpx.head(served[0] + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+# ------------------------------------------------------------------------------------------------------- stopping
+
+def test_a_stopping_engine_ends_the_running_generation_and_the_queue_with_503(served, monkeypatch):
+    """What the server's first SIGTERM or Ctrl-C does (command._StoppingServer): the running generation stops at its
+    next token, the waiting one never starts, both are answered 503, and so is a request that arrives after."""
+    _, lm, _ = served
+    steps = _slow_decode(monkeypatch, lm)  # 100 tokens take over 2 s
+    app = create_app(lm, queue_size=2)
+    body = {"prompt": "Once", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+    answers: dict[str, httpx.Response] = {}
+    with running_server(app) as url:
+        def post(key, stream):
+            answers[key] = _post(url, CMPL, {**body, "stream": stream})
+        threads = [threading.Thread(target=post, args=("running", False)),
+                   threading.Thread(target=post, args=("streaming", True))]
+        threads[0].start()
+        assert _wait_for(lambda: httpx.get(url + "/health").json()["running"] == 1)
+        threads[1].start()
+        assert _wait_for(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
+        app.state.engine.stop()
+        for t in threads:
+            t.join(10)
+        after = _post(url, CMPL, body)
+    assert len(steps) < 99, "the running generation went on after the stop"
+    err = _error(answers["running"], 503)
+    assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+    assert _error(answers["streaming"], 503)["code"] == "server_shutting_down"  # it never started: a plain 503
+    assert _error(after, 503)["code"] == "server_shutting_down"
+
+
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False

@@ -176,7 +176,7 @@ def test_serve_loads_the_model_on_the_thread_that_generates(monkeypatch):
 
     def fake_app(lm, *, pool, **kw):
         seen["generate"] = pool.submit(threading.current_thread).result()
-        return object()
+        return SimpleNamespace(state=SimpleNamespace(engine=None))
 
     monkeypatch.setattr(loader, "load", fake_load)
     monkeypatch.setattr(command, "create_app", fake_app)

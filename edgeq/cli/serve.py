@@ -1,4 +1,4 @@
-"""``edgeq serve``: the OpenAI-compatible server (edgeq/runtime/serve/ does the work; docs/serve.md)."""
+"""``edgeq serve``: the OpenAI-compatible server (edgeq/runtime/serve/ does the work; docs/runtime.md "Serving")."""
 
 from __future__ import annotations
 
@@ -40,11 +40,12 @@ def serve(
 
         verify_shards(Path(path))
     # through the package's name: tests/test_hub.py replaces serve_command to see what it is given
-    server.serve_command(path, host=host, port=port, max_model_len=max_model_len,
-                         kv_cache_bytes=kv_cache_bytes, queue_size=queue_size, max_body_bytes=max_body_bytes,
-                         model_name=model_name or display_name(model),  # a snapshot directory is named by its commit
-                         strict_layout=strict_layout, threads=threads, announce=_announcer(path, as_json, quiet),
-                         calm=quiet or as_json)
+    stopped_by = server.serve_command(
+        path, host=host, port=port, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, queue_size=queue_size,
+        max_body_bytes=max_body_bytes, model_name=model_name or display_name(model),  # a snapshot: named by its commit
+        strict_layout=strict_layout, threads=threads, announce=_announcer(path, as_json, quiet), calm=quiet or as_json)
+    if stopped_by:  # a requested stop is success (exit 0), not an interruption
+        say(f"edgeq serve: stopped ({stopped_by})", quiet)
 
 
 def _announcer(path: str, as_json: bool, quiet: bool):

@@ -107,14 +107,21 @@ def greedy(logits: torch.Tensor) -> int:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token id from fp32 logits [V]."""
+    """One token id from fp32 logits [V].
+
+    The largest logit is subtracted before dividing by the temperature: ``(logits - max) / T`` is <= 0 with a 0 at
+    the most likely token, so any T > 0 (down to 5e-324, below fp32's range, where ``logits / T`` overflows to
+    inf - inf = NaN) gives a distribution, the greedy one in the limit."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)  # a T fp32 cannot hold: the same limit
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)  # ties: the lowest id first, as argmax
         before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of strictly more likely tokens
-        sorted_p[before >= params.top_p] = 0  # keeps the smallest prefix reaching top_p, and always the first
+        cut = before >= params.top_p  # keeps the smallest prefix reaching top_p
+        cut[0] = False  # and always the first, even for a top_p that rounds to 0 in fp32 (1e-300)
+        sorted_p[cut] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen))
 

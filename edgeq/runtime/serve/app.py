@@ -29,7 +29,7 @@ def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, 
     app.router.on_shutdown.append(engine.shutdown)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.get("/health")(handlers.health)
+    app.add_api_route("/health", handlers.health, methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     app.get("/v1/models")(handlers.models)
     app.get("/v1/models/{model_id:path}")(handlers.model)
     app.post("/v1/completions")(handlers.completions)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Callable
+
+import uvicorn
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime.serve.app import create_app
@@ -12,14 +16,14 @@ from edgeq.runtime.serve.engine import worker
 def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_model_len: int | None = None,
                   kv_cache_bytes: str = "256MiB", queue_size: int = 8, max_body_bytes: str = "1MiB",
                   model_name: str | None = None, strict_layout: bool = False, threads: int | None = None,
-                  announce: Callable[[dict, object], None] | None = None, calm: bool = False) -> None:
-    """Load the checkpoint, bind, ``announce(record, lm)``, and serve the OpenAI-compatible API until stopped.
+                  announce: Callable[[dict, object], None] | None = None, calm: bool = False) -> str | None:
+    """Load the checkpoint, bind, ``announce(record, lm)``, and serve the OpenAI-compatible API until stopped;
+    returns the name of the signal that stopped it (``SIGTERM``, ``SIGINT``), if one did.
 
     The socket is bound before ``announce`` is called with :func:`startup_record`, so a client that has read the
     announcement can connect, and ``port=0`` reports the port the OS chose. ``calm`` keeps uvicorn to warnings (no
-    access log on stdout)."""
-    import uvicorn  # noqa: PLC0415
-
+    access log on stdout). The first SIGTERM or Ctrl-C stops the engine (the running generation ends at its next
+    token, waiting ones at once, each answered 503) and lets uvicorn close; a stop is not an error."""
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
     if queue_size < 0:
@@ -37,8 +41,41 @@ def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_mode
     if announce is not None:
         announce(record, lm)
     config = uvicorn.Config(app, host=host, port=record["port"], log_level="warning" if calm else "info",
-                            access_log=not calm)
-    uvicorn.Server(config).run(sockets=[sock])
+                            access_log=not calm, timeout_graceful_shutdown=GRACE_SECONDS)
+    return _run_until_stopped(_StoppingServer(config, app.state.engine), sock)
+
+
+GRACE_SECONDS = 5  # after a stop, how long a client still reading its answer (a 503, an error event) may take
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, which also stops the engine on the signal: uvicorn alone waits for every running and queued
+    request to finish before it exits (minutes, with long generations queued)."""
+
+    def __init__(self, config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.stop()
+        super().handle_exit(sig, frame)
+
+
+def _run_until_stopped(server, sock) -> str | None:
+    """Run ``server`` on ``sock``; the signal uvicorn re-raises after its graceful shutdown is recorded here
+    instead of killing the process (SIGTERM) or surfacing as KeyboardInterrupt (SIGINT)."""
+    seen: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread only
+    previous = {s: signal.signal(s, lambda sig, _frame: seen.append(sig)) for s in _STOPS} if main else {}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return signal.Signals(seen[0]).name if seen else None
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _listen(host: str, port: int):

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from edgeq.runtime.generation import Generation
-from edgeq.runtime.serve.errors import busy, generation_error
+from edgeq.runtime.serve.errors import ServerStopping, busy, generation_error, stopping
 
 
 def worker() -> ThreadPoolExecutor:
@@ -24,7 +24,10 @@ def worker() -> ThreadPoolExecutor:
 
 
 class Engine:
-    """Runs jobs one at a time on one worker thread; at most ``queue_size`` wait behind the running one."""
+    """Runs jobs one at a time on one worker thread; at most ``queue_size`` wait behind the running one.
+
+    :meth:`stop` (the server's first SIGTERM or Ctrl-C) ends the running generation at its next token and every
+    waiting one before it starts, each answered 503, so that shutdown does not wait for the queue to drain."""
 
     def __init__(self, lm, queue_size: int, pool: ThreadPoolExecutor | None = None):
         self.lm = lm
@@ -33,6 +36,7 @@ class Engine:
         self._lock = threading.Lock()
         self.pending = 0  # running + waiting
         self.running = 0
+        self.stopping = threading.Event()
 
     def submit(self, job: Callable[[], Any]) -> Future | None:
         with self._lock:
@@ -50,6 +54,9 @@ class Engine:
             with self._lock:
                 self.pending -= 1
                 self.running = 0
+
+    def stop(self) -> None:
+        self.stopping.set()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -71,13 +78,15 @@ async def run(request: Request, engine: Engine, gen: Generation, stream: bool, s
 
     Until the response starts (all of it for ``stream=False``, the first delta for a stream) a client disconnect
     cancels the generation; a stream's is cancelled when sending fails. A failure before the response starts is an
-    HTTP 500; later in a stream, an error event. A full queue is a 429.
+    HTTP 500; later in a stream, an error event. A full queue is a 429; a server shutting down answers 503.
     """
+    if engine.stopping.is_set():
+        raise stopping()
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     cancel = threading.Event()
-    gen.cancel = cancel.is_set
-    if engine.submit(_job(gen, events, cancel, loop)) is None:
+    gen.cancel = lambda: cancel.is_set() or engine.stopping.is_set()
+    if engine.submit(_job(gen, events, cancel, loop, engine.stopping)) is None:
         raise busy(engine)
     kind, value = await _first(request, events, cancel, stream)
     if kind == "error":
@@ -88,8 +97,10 @@ async def run(request: Request, engine: Engine, gen: Generation, stream: bool, s
                              headers={"Cache-Control": "no-cache"})
 
 
-def _job(gen: Generation, events: asyncio.Queue, cancel: threading.Event, loop) -> Callable[[], None]:
-    """The worker's job: run ``gen``, posting ("delta", d) per delta, then ("done", result) or ("error", exc)."""
+def _job(gen: Generation, events: asyncio.Queue, cancel: threading.Event, loop,
+         halt: threading.Event) -> Callable[[], None]:
+    """The worker's job: run ``gen``, posting ("delta", d) per delta, then ("done", result) or ("error", exc); a
+    generation ``halt`` (the server's shutdown) cut short or kept from starting ends with ServerStopping."""
 
     def put(item):
         try:
@@ -99,10 +110,12 @@ def _job(gen: Generation, events: asyncio.Queue, cancel: threading.Event, loop) 
 
     def job():
         try:
-            if not cancel.is_set():  # a client that left while waiting costs no prefill
+            ran = False
+            if not cancel.is_set() and not halt.is_set():  # a client that left while waiting costs no prefill
                 for d in gen:
                     put(("delta", d))
-            put(("done", gen.result))
+                ran = gen.result.finish_reason != "cancelled"
+            put(("error", ServerStopping()) if halt.is_set() and not ran else ("done", gen.result))
         except Exception as e:  # answered by generation_error
             put(("error", e))
 

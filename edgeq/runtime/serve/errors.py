@@ -13,7 +13,8 @@ log = logging.getLogger("edgeq.serve")
 
 # The ``code`` of an error when the raising site names none.
 _DEFAULT_CODES = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-                  429: "rate_limit_exceeded", 500: "internal_error"}
+                  429: "rate_limit_exceeded", 500: "internal_error",
+                  503: "server_shutting_down"}
 
 
 class ApiError(Exception):
@@ -38,8 +39,21 @@ def busy(engine) -> ApiError:
                     "rate_limit_error")
 
 
+class ServerStopping(Exception):
+    """A generation the server stopped (or never started) because it is shutting down (SIGTERM, Ctrl-C)."""
+
+
+def stopping() -> ApiError:
+    """The 503 for a request the server will not finish because it is shutting down."""
+    return ApiError(503, "server shutting down: this request was not completed; retry on a running server",
+                    "server_error", code="server_shutting_down")
+
+
 def generation_error(exc: BaseException) -> ApiError:
-    """The 500 for a generation that raised: a damaged checkpoint is named as such, anything else is internal."""
+    """The answer to a generation that did not finish: 503 when the server stopped it (:class:`ServerStopping`); a
+    500 for one that raised, a damaged checkpoint named as such, anything else internal."""
+    if isinstance(exc, ServerStopping):
+        return stopping()
     if isinstance(exc, DamagedCheckpointError):
         log.error("damaged checkpoint: %s", exc)
         return ApiError(500, str(exc), "server_error", code="damaged_checkpoint")

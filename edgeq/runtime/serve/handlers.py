@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from edgeq.errors import EdgeqError
 from edgeq.runtime.generation import Generation, SamplingParams, encode_prompt
@@ -68,7 +69,7 @@ class Handlers:
     async def completions(self, request: Request):
         req = await self.read(request, CompletionRequest)
         prompt = completion_prompt(req.prompt, self.lm.model.config.vocab_size)
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat=False)
+        ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.encode, prompt, False)
         gen = self.prepare(ids, req, req.max_tokens, req.logprobs)
         shape = CompletionShape(self.name, self.token_text, req.include_usage)
         return await run(request, self.engine, gen, req.stream, shape)
@@ -77,7 +78,7 @@ class Handlers:
         req = await self.read(request, ChatRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-        ids = self.encode(chat_messages(req), chat=True)
+        ids = await run_in_threadpool(self.encode, chat_messages(req), True)
         top = req.top_logprobs if req.top_logprobs is not None else 0
         gen = self.prepare(ids, req, req.max_completion_tokens or req.max_tokens, top if req.logprobs else None)
         shape = ChatShape(self.name, self.token_text, req.include_usage)
@@ -102,6 +103,8 @@ class Handlers:
         ``max_tokens`` do not fit the context (None: as many tokens as fit), 400 for sampling parameters refused."""
         chat = isinstance(req, ChatRequest)
         n, context = len(prompt_ids), self.context
+        if n == 0:
+            raise ApiError(400, "prompt: empty (0 tokens); send at least one token", param="prompt")
         if n >= context:
             raise ApiError(400, f"prompt is {n} tokens; the context holds {context} including at least one generated "
                                 f"token; shorten the prompt", param="messages" if chat else "prompt",
@@ -121,7 +124,8 @@ class Handlers:
             raise ApiError(400, str(e)) from e
 
     def encode(self, prompt, chat: bool) -> list[int]:
-        """Token ids of a prompt (text, or chat messages through the model's chat template); 400 naming the field."""
+        """Token ids of a prompt (text, or chat messages through the model's chat template); 400 naming the field.
+        Called off the event loop: a long prompt takes a while to tokenise, and /health must not wait for it."""
         lm, field = self.lm, "messages" if chat else "prompt"
         if chat and lm.tokenizer is not None and not getattr(lm.tokenizer, "chat_template", None):
             raise ApiError(400, f"model `{self.name}` has no chat template; send a plain prompt to POST "

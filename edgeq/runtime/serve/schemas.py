@@ -5,7 +5,7 @@ refusal is an :class:`~edgeq.runtime.serve.errors.ApiError` naming the field."""
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,15 +25,17 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+# strict: a field takes its own JSON type only ("5" is not an integer, true is not 1, "yes" is not a boolean), as in
+# OpenAI's API; an integer is still a number.
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _Request(BaseModel):
     """Fields shared by both endpoints; ``null`` means "the default", as in OpenAI's API."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -56,13 +58,13 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: Any  # its forms are checked by completion_prompt, whose message names them all
     max_tokens: int = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict] | None = None
 
@@ -93,8 +95,16 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(body, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    except RecursionError as e:  # json's decoder recurses per nesting level: '[' * 5000 is 5 KB
+        raise ApiError(400, "malformed JSON body: nested too deeply; flatten it", code="invalid_json") from e
     if not isinstance(data, dict):
         raise ApiError(400, "the JSON body must be an object", code="invalid_json")
+    try:  # "\ud800" is valid JSON but no text: the tokenizer and every reply that echoes it would fail on it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"malformed JSON body: a string holds a lone UTF-16 surrogate "
+                            f"({e.object[e.start:e.end].encode('unicode_escape').decode()}); send valid Unicode",
+                       code="invalid_json") from e
     return data
 
 
@@ -147,19 +157,26 @@ def stops(stop) -> tuple[str, ...]:
     return found
 
 
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def completion_prompt(prompt, vocab_size: int) -> str | list[int]:
-    """A completion's prompt as text or token ids: a list of one string is that string; several are refused (no
-    batching); token ids must be a non-empty list of ids in [0, vocab_size)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    """A completion's prompt as text or token ids, in OpenAI's forms: a string, a list of strings, a list of ids or a
+    list of lists of ids, the lists holding one prompt (several are refused: no batching); ids in [0, vocab_size)."""
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                (all(_is_ids(p) for p in prompt))):
         if len(prompt) != 1:
             raise ApiError(400, "prompt: one prompt per request (batching is not supported)", param="prompt")
         prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab_size})",
-                           param="prompt")
-        return list(prompt)
-    return prompt
+    if isinstance(prompt, str):
+        return prompt
+    if not _is_ids(prompt):
+        raise ApiError(400, f"prompt: a string, a list of one string, or a list of token ids (integers); got "
+                            f"{json.dumps(prompt)[:40]}", param="prompt", code="invalid_type")
+    if not prompt or not all(0 <= t < vocab_size for t in prompt):
+        raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab_size})", param="prompt")
+    return list(prompt)
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -169,10 +186,13 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported (type "
-                                        f"\"text\" with a string \"text\"), got type {json.dumps(part.get('type'))}",
-                                   param="messages", code="unsupported_value")
+                where = f"messages[{i}].content[{j}]"
+                if part.get("type") != "text":
+                    raise ApiError(400, f"{where}: only text parts are supported (type \"text\"), got type "
+                                        f"{json.dumps(part.get('type'))}", param=where, code="unsupported_value")
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{where}.text: must be a string, got {json.dumps(part.get('text'))[:40]}",
+                                   param=f"{where}.text", code="invalid_type")
             content = "".join(part["text"] for part in content)
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return messages
