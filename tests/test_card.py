@@ -26,6 +26,18 @@ def quant(fixture_quantized, tmp_path) -> Path:
     return out
 
 
+def test_card_bits_count_each_module_at_its_own_group_size(quant):
+    """The bundled model's default recipe puts the first layer, the head, q/k/v and down_proj at g32 and the rest at
+    the scheme's g128: the card's figure is inspect's (every stored byte over every weight), not g128's 4.25."""
+    from edgeq.inspect.report import inspect_checkpoint
+
+    manifest = json.loads((quant / "edgeq_manifest.json").read_text())
+    assert set(manifest["group_sizes"].values()) == {32}
+    bits = card.bits_per_weight(manifest, 128)
+    assert bits == pytest.approx(inspect_checkpoint(quant).effective_bits, rel=1e-12)
+    assert 4.5 < bits < 5  # between all-g128 (4.25) and all-g32 (5.0)
+
+
 @pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a8-g32"])
 def test_card_states_what_was_written(tmp_path, scheme):
     src = save_tiny("qwen2", tmp_path / "src")

@@ -80,10 +80,13 @@ def _read(path: Path) -> dict:
 
 
 def bits_per_weight(manifest: dict, group_size: int) -> float:
-    """Stored bits per quantised weight, scales, zeros and permutations included (module docstring)."""
+    """Stored bits per quantised weight, scales, zeros and permutations included (module docstring); each module
+    at its own group size (the manifest's ``group_sizes``, else ``group_size``, the scheme's)."""
     tensors = manifest.get("tensors") or {}
+    own = manifest.get("group_sizes") or {}
     stored = weights = 0
     for module in manifest.get("quantized_modules") or []:
+        g = int(own.get(module, group_size))
         for part in QUANTISED_PARTS:
             t = tensors.get(module + part)
             if not t:
@@ -91,9 +94,9 @@ def bits_per_weight(manifest: dict, group_size: int) -> float:
             numel = math.prod(t["shape"])
             stored += numel * DTYPES.get(t["dtype"], (None, 0))[1]
             if part == ".scales":
-                weights += numel * group_size
+                weights += numel * g
             elif part == ".scales_and_zeros":
-                weights += numel // 2 * group_size
+                weights += numel // 2 * g
     return 8 * stored / weights if weights else 0.0
 
 
