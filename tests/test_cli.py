@@ -116,6 +116,24 @@ def test_python_m_edgeq_cli_is_the_command():
     assert {"llama"} <= {x["name"] for x in json.loads(r.stdout)}
 
 
+def test_fidelity_interrupted_prints_the_partial_report_and_one_line(fixture_quantized, capsys, monkeypatch):
+    from edgeq.fidelity import loop
+
+    calls, window_logits = [], loop.window_logits
+
+    def interrupted_at_the_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return window_logits(*a, **k)
+
+    monkeypatch.setattr(loop, "window_logits", interrupted_at_the_third)
+    code, out, err = run(["fidelity", FIXTURE, fixture_quantized, "--ctx", "64", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 2 and report["partial"] is True and report["windows"] == 2
+    assert err.strip().splitlines() == ["interrupted: the statistics above are partial"]
+
+
 def test_fidelity_help_default_is_the_reference_files_k():
     """cli/fidelity.py writes DEFAULT_REF_TOPK itself (the fidelity package imports torch): the two agree."""
     from edgeq.cli import fidelity as command

@@ -1,8 +1,8 @@
 """``edgeq fidelity``: is the quantised model still the reference model? (edgeq/fidelity/, docs/fidelity.md)
 
 Its Typer signature, the progress bar, printing and the exit codes: 0, 1 when a ``--max-kld`` / ``--min-top1`` /
-``--max-ppl-ratio`` bound is broken (ThresholdError), 2 for a refused input (EdgeqError), 130 when interrupted (the
-partial statistics are still printed).
+``--max-ppl-ratio`` bound is broken (ThresholdError), 2 for a refused input (EdgeqError) and when interrupted (the
+partial statistics are still printed, then one line says so).
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def fidelity(
 
 def _print_report(report, *, json_out: bool, top: int, save_ref: Optional[Path]) -> None:
     """The report (a :class:`edgeq.fidelity.report.FidelityReport`) on stdout, JSON or the table; an interrupted run
-    says so on stderr and exits 130."""
+    says so in one line on stderr and exits 2, as every interrupted command does (not 130: the entry point reads
+    typer's 130 as an interruption it must report itself, "nothing was written", which is not this case)."""
     from edgeq.fidelity.report import render  # noqa: PLC0415
 
     if json_out:
@@ -104,7 +105,7 @@ def _print_report(report, *, json_out: bool, top: int, save_ref: Optional[Path])
         out.print(render(report, top))
     if report.partial:
         err.print("interrupted: the statistics above are partial" + ("; --save-ref was not written" if save_ref else ""))
-        raise typer.Exit(130)
+        raise typer.Exit(2)
 
 
 def _save_card(report, quant_path: Path, ref_path: Optional[Path], *, ref_file: Optional[Path],
