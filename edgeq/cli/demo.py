@@ -13,7 +13,7 @@ from edgeq.console import emit, out, say
 
 def demo(
     scheme: str = typer.Option("w4a16-g128", "--scheme", help="Scheme to quantise with."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn | minmax | gptq [default: the recipe's]."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn | clip | minmax | gptq | gptqmodel (as edgeq quantize) [default: the recipe's]."),
     keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the quantised checkpoint in this directory "
                                         "[default: a temporary directory, removed]."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate."),

@@ -1,4 +1,4 @@
-"""``edgeq quantize`` and ``edgeq recipes``: the convert package's commands (edgeq/convert/, docs/quantize.md)."""
+"""``edgeq quantize`` and ``edgeq recipes``: the convert package's commands (edgeq/convert/; docs/format.md, docs/gptq.md)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def quantize(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     max_shard_size: str = size_option("2GiB", "--max-shard-size", "Largest output shard, e.g. 2GiB, 500MB."),
 ) -> None:
-    """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one tinygemm-packed W4A16 checkpoint."""
+    """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one packed checkpoint: W4A16 (tinygemm) or W4A8."""
     from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415 (torch: only when the command runs)
 
     parsed = _parse_scheme(scheme)

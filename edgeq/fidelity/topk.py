@@ -21,7 +21,7 @@ from edgeq.fidelity.metrics import TOP5, mask_ids, row_blocks, top_n_mask
 
 @dataclass(frozen=True)
 class RefRows:
-    """What ``--save-ref`` keeps of the reference per scored position (see docs/fidelity.md, "--ref format").
+    """What ``--save-ref`` keeps of the reference per scored position (see docs/fidelity.md, "`--save-ref FILE` / `--ref FILE`", its "Format").
 
     topk_ids int32 [S, k] and topk_logprobs float64 [S, k]: the k most likely tokens, most likely first;
     target_logprob float64 [S]: log p(target); tail_logmass float64 [S]: log of the probability outside the top k
