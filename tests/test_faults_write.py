@@ -57,6 +57,34 @@ def test_output_that_is_contains_or_lies_inside_the_input_is_refused(model, caps
     assert _temps(model.parent) == [] and _temps(model) == []
 
 
+@pytest.mark.parametrize("command", ["quantize", "repack"])
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_an_output_that_is_not_a_directory_is_never_replaced(model, tmp_path, capsys, command, kind):
+    """--force replaces an earlier output directory, nothing else: `-o /dev/null --force` once deleted the device."""
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("the user's notes")
+    else:
+        os.mkfifo(out)
+    src = model
+    if command == "repack":
+        src = tmp_path / "q"
+        convert(model, src)
+    code, _, err = run_cli([command, str(src), "-o", str(out), *(["-q", "--force"] if command == "quantize" else [])],
+                           capsys)
+    line = err.splitlines()[-1]  # repack's source has no tokenizer files: a warning comes first
+    assert code == 2 and line.startswith(f"error: {out}: exists and is ") and err.count("error:") == 1, err
+    assert line.endswith("choose another output path")
+    assert out.read_text() == "the user's notes" if kind == "file" else out.is_fifo()
+    assert _temps(tmp_path) == []
+
+
+def test_an_output_under_a_file_is_refused(model, tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    code, _, err = run_cli(["quantize", str(model), "-o", str(tmp_path / "f" / "sub"), "-q"], capsys)
+    assert code == 2 and err == f"error: {tmp_path / 'f'}: is not a directory; choose an output path inside a directory\n"
+
+
 def test_output_reached_through_a_symlink_is_refused(model, tmp_path, capsys):
     link = tmp_path / "link"
     link.symlink_to(model)

@@ -89,9 +89,18 @@ def remove_stale(out: Path) -> list[Path]:
 
 
 def prepare_output(out: Path, inputs: Iterable[str | Path]) -> None:
-    """What every writer does first: the path rule, then the leftovers of earlier runs (before checking whether
-    ``out`` exists or the disk has room: a restored ``old`` is the user's output, a removed ``tmp`` frees space)."""
+    """What every writer does first: the path rules, then the leftovers of earlier runs (before checking whether
+    ``out`` exists or the disk has room: a restored ``old`` is the user's output, a removed ``tmp`` frees space).
+    An output that exists and is not a directory (a file, a device, a FIFO) is refused, also with --force: replacing
+    it would delete something that is not an earlier output (``-o /dev/null --force`` once did)."""
     check_output_path(out, inputs)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        kind = "a file" if out.is_file() else "not a directory"
+        raise EdgeqError(f"{out}: exists and is {kind}; the output is a directory, and edgeq never replaces anything "
+                         f"else (also with --force): choose another output path")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise EdgeqError(f"{out.parent}: is not a directory; choose an output path inside a directory")
     remove_stale(out)
 
 
@@ -164,7 +173,7 @@ def replace_dir(tmp: Path, out: Path) -> None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:
-            old.unlink()  # --force over a file (or a symlink: the link goes, never its target)
+            old.unlink()  # a symlink to a directory: the link goes, never its target (prepare_output refuses files)
 
 
 def fsync_tree(root: Path) -> None:
