@@ -116,6 +116,24 @@ def test_python_m_edgeq_cli_is_the_command():
     assert {"llama"} <= {x["name"] for x in json.loads(r.stdout)}
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads 0: must be between 1 and this machine's"),
+    (["--threads", "100000"], "--threads 100000: must be between 1 and this machine's"),  # was a SIGSEGV, no message
+    (["--seed", str(2**70)], f"seed={2**70}: must be in [-2^63, 2^64)"),
+    (["--temperature", "inf"], "temperature=inf: must be a finite number >= 0"),
+])
+def test_generate_refuses_option_values_torch_cannot_take(fixture_quantized, capsys, args, message):
+    code, out, err = run(["generate", fixture_quantized, "Once", "--max-tokens", "2", *args], capsys)
+    assert code == 2 and out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(fixture_quantized, capsys):
+    prompt = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # what Python makes of such bytes in argv
+    code, out, err = run(["generate", fixture_quantized, prompt, "--max-tokens", "2"], capsys)
+    assert code == 2 and out == ""
+    assert err == "error: PROMPT: not valid UTF-8 (position 3); pass the prompt as UTF-8 text\n"
+
+
 def test_fidelity_interrupted_prints_the_partial_report_and_one_line(fixture_quantized, capsys, monkeypatch):
     from edgeq.fidelity import loop
 

@@ -249,3 +249,82 @@ def test_the_repack_warning_is_one_message_without_source_paths(prose, tmp_path)
     warning = [line for line in r.stderr.splitlines() if "REPACKED IN MEMORY" in line]
     assert len(warning) == 1 and warning[0].startswith("warning: REPACKED IN MEMORY"), r.stderr
     assert ".py:" not in r.stderr and "warnings.warn" not in r.stderr
+
+
+# ------------------------------------------------------------------------------ found by an audit (2026-12-04)
+
+@pytest.mark.parametrize("value", [0.0, -0.01])
+def test_a_scale_zero_or_negative_is_refused_at_load(prose, tmp_path, capsys, value):
+    """A flipped sign bit in a scale gives plausible wrong text; the quantiser never writes a scale <= 0."""
+    bad = _copy(prose, tmp_path / "bad")
+    name = "model.layers.0.self_attn.q_proj.scales_and_zeros"
+    _poke(bad, name, lambda t: t[0, 3].__setitem__(0, value))
+    code, out, err = run_cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
+    assert code == 2 and out == ""
+    assert err == (f"error: model.safetensors: tensor {name}: 1 scale(s) zero or negative; the file is damaged: "
+                   "re-copy it or re-quantise (`edgeq inspect --verify` lists every damaged tensor)\n")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", "256", "hidden_size is '256', must be a positive integer"),
+    ("rms_norm_eps", "x", "transformers refuses it (Validation error for field 'rms_norm_eps': TypeError: Field "
+                          "'rms_norm_eps' expected float, got str (value: 'x'))"),
+    ("num_attention_heads", 0, "num_attention_heads is 0, must be a positive integer"),
+    ("max_position_embeddings", -5, "max_position_embeddings is -5, must be a positive integer"),
+    ("vocab_size", None, "transformers refuses it (Validation error for field 'vocab_size'"),
+    ("quantization_config", "x", "quantization_config is str 'x', not an object"),
+])
+def test_a_config_field_of_the_wrong_type_or_value_is_one_line_not_a_traceback(prose, tmp_path, capsys, field, value,
+                                                                                message):
+    bad = _copy(prose, tmp_path / "bad")
+    _edit_config(bad, lambda c: c.__setitem__(field, value))
+    code, out, err = run_cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
+    assert code == 2 and out == "" and err.startswith(f"error: {bad}/config.json: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+def test_repack_refuses_a_damaged_source_instead_of_rehashing_it(prose, tmp_path, capsys):
+    """repack writes new shards with new sha256s: copying flipped bytes would make them pass --verify afterwards."""
+    bad = _copy(prose, tmp_path / "bad")
+    _poke(bad, "model.layers.0.mlp.down_proj.qweight", lambda t: t[:2].bitwise_xor_(0xFF))
+    out = tmp_path / "out"
+    code, _, err = run_cli(["repack", str(bad), "-o", str(out)], capsys)
+    assert code == 2 and not out.exists()
+    assert f"{bad / 'model.safetensors'}: sha256 " in err and "does not match the manifest's" in err
+
+
+@pytest.mark.parametrize("side", ["quantised", "reference"])
+def test_fidelity_of_a_model_with_nan_logits_is_an_error_not_a_report(prose, tmp_path, capsys, side):
+    """NaN logits made a 'mean KLD nan' report on the quantised side and a perfect 'mean KLD 0.000000' on the
+    reference side, both with exit 0."""
+    bad = _copy(prose if side == "quantised" else Path(FIXTURE), tmp_path / "bad")
+    _poke(bad, "model.norm.weight", lambda t: t.__setitem__(7, float("nan")))
+    text = tmp_path / "t.txt"
+    text.write_text(Path(FIXTURE, "..", "heldout-prose.txt").resolve().read_text()[:4000])
+    ref, quant = (FIXTURE, bad) if side == "quantised" else (bad, prose)
+    code, out, err = run_cli(["fidelity", str(ref), str(quant), "--text", str(text), "--ctx", "128", "--json"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(f"error: the {side} model ({bad}): non-finite logits (NaN or Inf) "
+                                                   "in window 1; its weights are damaged: "), err
+
+
+def test_fidelity_save_ref_never_replaces_what_is_not_a_reference_file(prose, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(Path(FIXTURE, "..", "heldout-prose.txt").resolve().read_text()[:4000])
+    before = text.read_bytes()
+    code, _, err = run_cli(["fidelity", FIXTURE, "--text", str(text), "--ctx", "128", "--save-ref", str(text)], capsys)
+    assert code == 2 and text.read_bytes() == before  # its own --text, once overwritten with the reference
+    assert err.strip().splitlines()[-1] == (f"error: --save-ref {text}: exists and is not an edgeq reference file; "
+                                            "edgeq replaces only its own reference files: choose another path")
+    ref = tmp_path / "ref.safetensors"
+    for _ in range(2):  # its own file it may replace
+        code, _, err = run_cli(["fidelity", FIXTURE, "--text", str(text), "--ctx", "128", "--save-ref", str(ref), "-q"],
+                               capsys)
+        assert code == 0 and ref.is_file(), err
+
+
+def test_a_path_the_system_refuses_is_one_line_naming_it(prose, tmp_path, capsys):
+    """OSErrors (a directory given as a file, permissions, a read-only or full disk) reach the user as one line."""
+    code, out, err = run_cli(["fidelity", FIXTURE, str(prose), "--text", str(tmp_path)], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == f"error: {tmp_path}: Is a directory; give a file, not a directory", err

@@ -9,6 +9,7 @@ import typer
 
 from edgeq.cli.options import MAX_MODEL_LEN_HELP, QUIET_HELP, THREADS_HELP, size_option
 from edgeq.console import emit, say, write
+from edgeq.errors import EdgeqError
 from edgeq.io.hub import REVISION_HELP, resolve_model
 
 
@@ -52,6 +53,11 @@ def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: 
     from edgeq.runtime.loader import load  # noqa: PLC0415
 
     quiet = quiet or as_json
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
+    try:  # before loading: a bad option costs no load
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 (Python keeps them as surrogates)
+        raise EdgeqError(f"PROMPT: not valid UTF-8 (position {e.start}); pass the prompt as UTF-8 text") from None
     t = time.perf_counter()
     lm = load(path, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, strict_layout=strict_layout, threads=threads,
               verify=verify)
@@ -59,7 +65,6 @@ def generate_command(path: str, prompt: str, max_tokens: int = 64, temperature: 
     s = lm.settings
     say(f"loaded {path} in {load_seconds:.2f} s: {describe_paths(s)}, max_model_len {s.max_model_len}, KV cache "
         f"{s.max_cached_tokens} tokens, {s.threads} threads", quiet)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ()))
     g = Generation(lm, encode_prompt(lm, prompt, chat), params)
     for d in g:
         if not as_json:

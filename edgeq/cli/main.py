@@ -10,6 +10,7 @@ threshold is exit code 1.
 
 from __future__ import annotations
 
+import errno
 import sys
 import warnings
 
@@ -87,6 +88,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     error(str(message), prefix="warning")
 
 
+_OS_FIXES = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
+             errno.EROFS: "the file system is read-only: choose a writable location",
+             errno.ENOSPC: "free space or choose another location", errno.EDQUOT: "free space or choose another location",
+             errno.EISDIR: "give a file, not a directory", errno.ENOTDIR: "a part of the path is not a directory",
+             errno.EBUSY: "it is in use (a mount point?): choose another path"}
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError the system raised on a user's path (permissions, read-only or full disk, a directory where a file
+    was expected) as one line naming the path and the fix."""
+    where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") if e.filename else ""
+    what = e.strerror or str(e)
+    fix = _OS_FIXES.get(e.errno, "check the path")
+    return f"{where}: {what}; {fix}" if where else f"{what}; {fix}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``edgeq`` entry point: every failure is one ``error: ...`` line on stderr, exit code 2 (1: a threshold)."""
     warnings.showwarning = _show_warning
@@ -98,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code if isinstance(code, int) else 0)
     except EdgeqError as e:
         error(str(e))
+        sys.exit(2)
+    except OSError as e:  # a path the system refused: the writers have removed their temporary output already
+        error(os_error_line(e))
         sys.exit(2)
     except ThresholdError as e:
         error(str(e), prefix="threshold broken")

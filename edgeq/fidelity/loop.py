@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from edgeq.errors import EdgeqError
+from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.fidelity.metrics import position_stats
 from edgeq.fidelity.probe import LayerProbe
 from edgeq.fidelity.reffile import ReferenceFile
@@ -61,6 +61,8 @@ def run_windows(windows: torch.Tensor, counts: list[int], win: Windowing, *, ref
             if probe is not None:
                 probe.rows = (keep, keep - count)
             r, q = window_logits(ids, keep, count, ref, quant, probe)
+            check_finite(r, ref, w)
+            check_finite(q, quant, w)
             vocab = check_vocab(q, r, ref_file, vocab)
             rows = ref_rows(r, targets, save_k) if save_k is not None else None
             if r is not None and q is not None:
@@ -88,6 +90,17 @@ def run_windows(windows: torch.Tensor, counts: list[int], win: Windowing, *, ref
     del cols[done:], saved[done:]
     merged = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]} if cols else {}
     return merged, saved, done, interrupted, vocab
+
+
+def check_finite(logits: Optional[torch.Tensor], side: Optional[Side], window: int) -> None:
+    """Statistics of NaN logits are NaN, or, on the reference side, a KLD of exactly 0: either model's non-finite
+    logits are an error naming the side, never a report."""
+    if logits is not None and not bool(torch.isfinite(logits).all()):
+        where = f" ({side.path})" if side.path is not None else ""
+        raise DamagedCheckpointError(f"the {side.label} model{where}: non-finite logits (NaN or Inf) in window "
+                                     f"{window + 1}; its weights are damaged: "
+                                     + ("re-copy or re-download it" if side.label == "reference" else
+                                        "check it with `edgeq inspect --verify`, or re-convert it"))
 
 
 def check_vocab(q: Optional[torch.Tensor], r: Optional[torch.Tensor], ref_file: Optional[ReferenceFile],

@@ -42,6 +42,28 @@ class ReferenceFile:
         return plan_counts(self.windows.shape[0], w.per_window, self.header["positions"])
 
 
+def check_save_target(path: str | os.PathLike) -> None:
+    """Before any scoring: ``--save-ref FILE`` may replace an earlier reference file, nothing else (not the --text
+    it reads, not a directory), and its directory must exist."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise EdgeqError(f"--save-ref {path}: {path.parent} is not a directory; create it or choose another path")
+    if not path.exists():
+        return
+    mine = False
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                mine = "edgeq_fidelity_ref" in (f.metadata() or {})
+        except Exception:  # not safetensors at all (a text file): not a reference file
+            mine = False
+    if not mine:
+        raise EdgeqError(f"--save-ref {path}: exists and is not an edgeq reference file; edgeq replaces only its own "
+                         f"reference files: choose another path")
+
+
 def write_reference(path: str | os.PathLike, windows: torch.Tensor, rows: list[RefRows], win: Windowing, *, k: int,
                     vocab: int, bos: Optional[int], tokenizer_sha: Optional[str], text_sha: Optional[str]) -> None:
     """Write the reference file atomically (``FILE.tmp``, then renamed): the windows scored and their rows."""

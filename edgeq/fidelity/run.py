@@ -16,7 +16,13 @@ from typing import Any, Optional, Sequence
 from edgeq.errors import EdgeqError
 from edgeq.fidelity.loop import Progress, run_windows
 from edgeq.fidelity.probe import LayerProbe
-from edgeq.fidelity.reffile import DEFAULT_REF_TOPK, ReferenceFile, load_reference_file, write_reference
+from edgeq.fidelity.reffile import (
+    DEFAULT_REF_TOPK,
+    ReferenceFile,
+    check_save_target,
+    load_reference_file,
+    write_reference,
+)
 from edgeq.fidelity.report import FidelityReport
 from edgeq.fidelity.sides import Side
 from edgeq.fidelity.stats import summarize
@@ -38,6 +44,8 @@ def compare(ref: Any, quant: Any, *, text: Optional[str] = None, input_ids: Opti
     win = Windowing(ctx, score)
     if save_ref and ref_topk < 1:
         raise EdgeqError(f"--ref-topk {ref_topk}: must be at least 1 (use {DEFAULT_REF_TOPK})")
+    if save_ref:
+        check_save_target(save_ref)
     r, q = Side(ref, "reference", tokenizer), Side(quant, "quantised", tokenizer)
     check_same_vocabulary(r, q)
     r.check_ctx(ctx)
@@ -124,6 +132,7 @@ def save_reference_file(ref: Any, path: str | os.PathLike, *, text: Optional[str
     win = Windowing(ctx, score)
     if k < 1:
         raise EdgeqError(f"--ref-topk {k}: must be at least 1 (use {DEFAULT_REF_TOPK})")
+    check_save_target(path)
     r = Side(ref, "reference", tokenizer)
     r.check_ctx(ctx)
     ids, bos, text_sha = resolve_ids(text, input_ids, (r,), tokenizer)

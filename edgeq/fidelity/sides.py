@@ -36,6 +36,7 @@ class Side:
 
     def __init__(self, obj: Any, label: str, tokenizer: Any = None):
         self.label = label
+        self.path = getattr(obj, "path", None)  # a loaded checkpoint's directory, named in errors about its weights
         self.module: Optional[torch.nn.Module] = None
         if isinstance(obj, torch.nn.Module):
             self.module = obj

@@ -10,24 +10,43 @@ not depend on ``max_position_embeddings``.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from edgeq.errors import EdgeqError
+from edgeq.io.manifest import read_json
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old checkpoints; always recomputed
 
 
+# Sizes every causal LM's config must give as positive integers (when present): 0 or "256" otherwise surface as a
+# ZeroDivisionError or "negative dimension" deep inside transformers.
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "head_dim", "max_position_embeddings")
+
+
 def load_config(directory):
+    """config.json through transformers, its sizes checked first (transformers itself divides by them); every defect
+    an EdgeqError naming the file and field."""
+    raw = read_json(Path(directory) / "config.json")
+    for name in POSITIVE_SIZES:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise EdgeqError(f"{directory}/config.json: {name} is {value!r}, must be a positive integer; fix it or "
+                             f"re-copy config.json from the source model")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.from_pretrained(str(directory))
-    except (OSError, ValueError, KeyError) as e:
+            return AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise EdgeqError(f"{directory}/config.json: transformers cannot read it ({e})") from e
-    return config
+    except Exception as e:  # huggingface_hub's strict dataclasses: a field of the wrong type (null for an int)
+        detail = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__
+        raise EdgeqError(f"{directory}/config.json: transformers refuses it ({detail}); fix the field or re-copy "
+                         f"config.json from the source model") from e
 
 
 def build_meta_model(config, dtype: torch.dtype) -> nn.Module:

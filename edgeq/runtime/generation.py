@@ -40,14 +40,16 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise EdgeqError(f"max_tokens={self.max_tokens}: must be at least 1")
-        if self.temperature < 0 or self.temperature != self.temperature:
-            raise EdgeqError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise EdgeqError(f"temperature={self.temperature}: must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise EdgeqError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise EdgeqError(f"logprobs={self.logprobs}: must be between 0 and 20")
         if any(not s for s in self.stop):
             raise EdgeqError("stop strings must not be empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # torch.Generator.manual_seed's range
+            raise EdgeqError(f"seed={self.seed}: must be in [-2^63, 2^64)")
 
 
 @dataclass(frozen=True)

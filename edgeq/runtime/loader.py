@@ -12,6 +12,7 @@ settings are read back from the built objects (:class:`edgeq.runtime.swap.SwapRe
 from __future__ import annotations
 
 import inspect
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,9 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
         verify_shards(path)
     loop = _decode_loop_choice(decode_loop)
     if threads is not None:
+        cpus = os.cpu_count() or 1
+        if not 1 <= int(threads) <= cpus:  # 0 and -1 raise in torch; 100000 crashed in OpenMP (SIGSEGV)
+            raise EdgeqError(f"--threads {threads}: must be between 1 and this machine's {cpus} CPUs")
         torch.set_num_threads(int(threads))
     budget = parse_bytes(kv_cache_bytes, "kv_cache_bytes")
     info = read_checkpoint(path, read_json(path / CONFIG))  # None: a plain HF checkpoint
@@ -242,7 +246,9 @@ SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale 
 
 def check_scales(files: MappedFiles, modules) -> None:
     """Every scale and zero of the quantised ``modules`` (packed embedding levels included) must be finite: one NaN/Inf
-    scale turns every output of its group into NaN/Inf (then the logits). Reads only the scales (about 3% of a g128
+    scale turns every output of its group into NaN/Inf (then the logits); and a tinygemm scale must be positive (the
+    quantiser gives a constant group the smallest positive one, GPTQ's are positive: a scale <= 0 is damage, e.g. a
+    flipped sign bit, which would otherwise generate plausible wrong text). Reads only the scales (about 3% of a g128
     checkpoint). W4A8 zero points are int8, finite by construction."""
     for name in modules:
         for suffix in SCALE_SUFFIXES:
@@ -250,10 +256,13 @@ def check_scales(files: MappedFiles, modules) -> None:
                 continue
             t = files.get(f"{name}{suffix}")
             bad = int(t.numel() - torch.isfinite(t).sum()) if t.is_floating_point() else 0
+            what = "NaN/Inf value(s) in the scales/zeros"
+            if not bad and suffix == ".scales_and_zeros":
+                bad, what = int((t[..., 0] <= 0).sum()), "scale(s) zero or negative"
             if bad:
                 shard = files.tensors[f"{name}{suffix}"].file.name
                 raise DamagedCheckpointError(
-                    f"{shard}: tensor {name}{suffix}: {bad} NaN/Inf value(s) in the scales/zeros; the file is damaged: "
+                    f"{shard}: tensor {name}{suffix}: {bad} {what}; the file is damaged: "
                     f"re-copy it or re-quantise (`edgeq inspect --verify` lists every damaged tensor)")
 
 

@@ -86,6 +86,9 @@ def read_checkpoint(directory: str | Path, config: dict) -> QuantInfo | None:
         if (directory / MANIFEST).exists():
             raise EdgeqError(f"{directory}: has {MANIFEST} but config.json has no quantization_config; the checkpoint is inconsistent")
         return None
+    if not isinstance(qc, dict):
+        raise EdgeqError(f"{directory}/{CONFIG}: quantization_config is {type(qc).__name__} {str(qc)[:40]!r}, not an "
+                         f"object; re-copy config.json from the checkpoint or re-quantise")
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
         raise EdgeqError(f"{directory}/{CONFIG}: quant_method {method!r} is not edgeq's; convert it with `edgeq quantize` first")

@@ -27,6 +27,7 @@ from edgeq.keys import CONFIG, MANIFEST, Kernel
 from edgeq.layouts import tinygemm
 from edgeq.layouts.tinygemm import TinygemmLayout
 from edgeq.runtime.embedding import level_modules
+from edgeq.runtime.loader import verify_shards
 from edgeq.runtime.qinfo import KERNELS, QuantInfo, read_checkpoint
 
 
@@ -79,6 +80,8 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         return RepackReport(str(dst), False, 0, 0, 0.0, info.layout.layout_hash, target.layout_hash)
     if dst != src and dst.exists() and any(dst.iterdir()):
         raise EdgeqError(f"{dst}: exists and is not empty; choose another output directory")
+    if (src / MANIFEST).exists():  # new shards get new sha256s: damaged bytes must not be blessed with them
+        verify_shards(src)
     t0 = time.perf_counter()
     files = MappedFiles(src)
     quantized = set(info.quantized_modules) | set(level_modules(info))  # a packed embedding's levels: same layout
