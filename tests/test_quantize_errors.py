@@ -231,3 +231,34 @@ def test_recipes_command_lists_all(capsys):
     code, out, _ = run_cli(["recipes", "--json"], capsys)
     assert code == 0
     assert sorted(r["name"] for r in json.loads(out)) == ["gemma2", "llama", "mistral", "phi3", "quality", "qwen2", "qwen3"]
+
+
+def _rewrite_weights(src: Path, fn) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(src: Path, **fields) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(fields)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    (lambda s: _rewrite_weights(s, lambda t: t.pop("model.layers.0.mlp.down_proj.weight")),
+     "(1 problem(s): model.layers.0.mlp.down_proj.weight: missing (the model needs it))"),
+    (lambda s: _rewrite_weights(s, lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:64].clone()})),
+     "model.norm.weight: checkpoint shape [64] but config.json implies [128]"),
+    (lambda s: _edit_config(s, num_hidden_layers=1), "model.layers.1.input_layernorm.weight: not in the model config.json "
+                                                     "describes"),
+    (lambda s: _edit_config(s, num_hidden_layers=3), "(9 problem(s): model.layers.2.self_attn.q_proj.weight: missing"),
+], ids=["weight-missing", "wrong-shape", "fewer-layers", "more-layers"])
+def test_weights_that_do_not_match_config_json_are_refused(tmp_path, capsys, src, damage, pattern):
+    """Such a checkpoint converted, then every loader refused it (audit, 2026-12-04): nothing is written now."""
+    damage(src)
+    err = expect_error(tmp_path, capsys, src, pattern)
+    assert err.startswith(f"error: {src}: the weights do not match config.json (") and err.endswith(
+        "the checkpoint is incomplete or its config.json belongs to another model\n")

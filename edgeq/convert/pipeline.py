@@ -48,6 +48,7 @@ from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
+from edgeq.io.skeleton import config_problems
 from edgeq.io.writer import prepare_output, say, staging
 from edgeq.quantize.rtn import METHODS
 from edgeq.scheme import Scheme
@@ -95,6 +96,17 @@ def resolve_source(src: str | Path) -> Path:
     from edgeq.io.hub import resolve_model
 
     return resolve_model(src)
+
+
+def _check_config(ckpt: Checkpoint, recipe: Recipe) -> None:
+    """A float checkpoint whose tensors do not match its config.json is refused (the staging directory removed): the
+    result would be a checkpoint that every loader refuses. Checked after the write, not before: the meta-device
+    model imports transformers' modeling code (~110 MiB resident), which would raise the streaming's peak memory."""
+    problems = config_problems(ckpt.root, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head)
+    if problems:
+        raise EdgeqError(f"{ckpt.root}: the weights do not match config.json ({len(problems)} problem(s): "
+                         f"{'; '.join(problems[:3])}); the checkpoint is incomplete or its config.json belongs to "
+                         f"another model")
 
 
 def refuse_quantized_input(ckpt: Checkpoint) -> None:
@@ -209,9 +221,12 @@ def convert(
     prepare_output(out, _inputs(ckpt, plan))
     _check_output(out, force, plan.bytes_out + (64 << 20))
     windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
+    float_input = ckpt if not plan.source else None  # GPTQ input: its config describes another layout
     with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced
         with quantized(ckpt, plan, rec, tmp) as (ckpt, plan):  # gptqmodel: GPTQModel's output in tmp, ingested exactly
             stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
+        if float_input is not None:
+            _check_config(float_input, rec)
     warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
     for w in warnings:
         say(f"warning: {w}")

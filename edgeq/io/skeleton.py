@@ -119,6 +119,20 @@ def quantized_bias(files, name: str, old: nn.Module) -> tuple[torch.Tensor | Non
     return bias, 0, bias.numel() * 2
 
 
+def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str) -> list[str]:
+    """What a float checkpoint's tensors (``shapes``: name -> shape, from its headers) and the model its config.json
+    describes disagree on: tensors missing, of another shape, or not in the model. ``head`` may be absent (edgeq
+    quantises it from the embedding) and may be present although the config ties it. Cheap: a meta-device model."""
+    model = build_meta_model(load_config(directory), torch.bfloat16)
+    expected = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+    problems = [f"{n}: checkpoint shape {list(shapes[n])} but config.json implies {list(want)}"
+                for n, want in expected.items() if n in shapes and tuple(shapes[n]) != want]
+    problems += [f"{n}: missing (the model needs it)" for n in expected if n not in shapes and n != head]
+    problems += [f"{n}: not in the model config.json describes" for n in shapes
+                 if n not in expected and n != head and not n.endswith(IGNORED_SUFFIXES)]
+    return problems
+
+
 def attach(model: nn.Module, files, dtype: torch.dtype, skip: set[str], tie_head: bool) -> dict:
     """Replace every meta parameter/buffer by the mapped tensor of the same name.
 
