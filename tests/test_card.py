@@ -36,6 +36,9 @@ def test_card_bits_count_each_module_at_its_own_group_size(quant):
     bits = card.bits_per_weight(manifest, 128)
     assert bits == pytest.approx(inspect_checkpoint(quant).effective_bits, rel=1e-12)
     assert 4.5 < bits < 5  # between all-g128 (4.25) and all-g32 (5.0)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (quant / "README.md").stat().st_mode & 0o777 == 0o666 & ~mask  # as config.json, not mkstemp's 0600
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a8-g32"])

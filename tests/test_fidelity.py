@@ -475,6 +475,31 @@ def test_truncated_ref_file_is_refused(tmp_path):
         compare_to_reference_file(tmp_path / "nope", side(TinyLM()))
 
 
+def test_a_reference_file_that_changed_is_refused(tmp_path):
+    """A flipped byte in its logprobs would give a plausible, wrong KLD: the header's sha256 of the data catches it."""
+    from safetensors import safe_open
+
+    path = tmp_path / "ref.safetensors"
+    save_reference_file(side(TinyLM()), path, text=make_text(300), ctx=32)
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~_umask()  # as any new file, not mkstemp's 0600
+    compare_to_reference_file(path, side(TinyLM()))  # intact: it loads
+    with safe_open(str(path), framework="pt") as f:
+        start = len(path.read_bytes()) - f.get_tensor("top1").numel() * f.get_tensor("top1").element_size()
+    data = bytearray(path.read_bytes())
+    data[start + 1] ^= 0x40  # inside the data, after the header: still a readable safetensors file
+    path.write_bytes(bytes(data))
+    with pytest.raises(EdgeqError, match=f"{path}: its data does not match the sha256 in its header"):
+        compare_to_reference_file(path, side(TinyLM()))
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_mismatched_ref_file_is_refused(tmp_path):
     from safetensors.torch import save_file
 

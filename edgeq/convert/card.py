@@ -35,6 +35,7 @@ from edgeq.errors import EdgeqError
 from edgeq.io.hub import is_hub_id
 from edgeq.io.manifest import Manifest, read_json
 from edgeq.io.safetensors import DTYPES
+from edgeq.io.writer import as_created
 from edgeq.keys import CARD, CONFIG, MANIFEST, VERSION, Kernel
 from edgeq.layouts.base import get
 
@@ -276,6 +277,7 @@ def atomic_write(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        as_created(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -9,6 +9,7 @@ Size: ``12 k + 40`` bytes per position plus ``4 ctx`` per window; k = 32 on the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 
 from edgeq.errors import EdgeqError
+from edgeq.io.writer import as_created
 from edgeq.fidelity.metrics import TOP5
 from edgeq.fidelity.text import Windowing, plan_counts
 from edgeq.fidelity.topk import RefRows
@@ -77,13 +79,25 @@ def write_reference(path: str | os.PathLike, windows: torch.Tensor, rows: list[R
               "requested_k": k, "vocab_size": vocab, "bos_id": bos, "windows": int(windows.shape[0]),
               "positions": int(data.target_logprob.shape[0])}
     tensors = {"input_ids": windows.int().contiguous(), **{f.name: getattr(data, f.name).contiguous() for f in fields(RefRows)}}
+    header["data_sha256"] = data_sha256(tensors)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file(tensors, str(tmp), metadata={"edgeq_fidelity_ref": json.dumps(header)})
+        as_created(tmp)
         os.replace(tmp, path)  # a crash never leaves a half-written reference behind under the real name
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def data_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, by name: the reference file's own check (a flipped byte in its logprobs would
+    otherwise give a plausible, wrong KLD)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_reference_file(path: str | os.PathLike) -> ReferenceFile:
@@ -118,6 +132,9 @@ def load_reference_file(path: str | os.PathLike) -> ReferenceFile:
     for n, shape in want.items():
         if tuple(tensors[n].shape) != shape:
             raise EdgeqError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, the header says {shape}; {fix}")
+    if "data_sha256" in header and data_sha256({n: tensors[n] for n in names}) != header["data_sha256"]:
+        raise EdgeqError(f"{path}: its data does not match the sha256 in its header (the file changed after it was "
+                         f"written); {fix}")
     ref = ReferenceFile(header, tensors["input_ids"].long(), RefRows(*(tensors[f.name] for f in fields(RefRows))),
                         str(path))
     if sum(ref.counts) != P:

@@ -176,6 +176,14 @@ def replace_dir(tmp: Path, out: Path) -> None:
             old.unlink()  # a symlink to a directory: the link goes, never its target (prepare_output refuses files)
 
 
+def as_created(path: str | Path) -> None:
+    """Give a file written through a private temporary (mkstemp, safetensors: mode 0600) the mode any new file gets
+    under the umask (0644 under the usual 022), like the rest of the output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory under ``root``, then ``root``: their data and names reach the disk."""
     for p in sorted(Path(root).rglob("*"), key=lambda p: -len(p.parts)):
