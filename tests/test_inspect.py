@@ -226,6 +226,27 @@ def test_edgeq_inconsistencies_are_problems(edgeq_ckpt, edgeq_bf16_ckpt, tmp_pat
         "tie_word_embeddings=true but lm_head is stored too" in p and "beside model.embed_tokens.weight (2.0 MiB)" in p
 
 
+def test_what_load_refuses_first_is_a_problem(edgeq_ckpt, tmp_path):
+    """An audit found inspect passing checkpoints that generate refused: config.json's group size edited, a sharded
+    checkpoint without its index; and a --max-model-len of 0 projected a negative KV cache."""
+    ckpt = _copy(edgeq_ckpt, tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 64
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert any(p.endswith("group_size 64; the checkpoint is inconsistent (load refuses the checkpoint)")
+               for p in inspect_checkpoint(ckpt).problems)
+    sharded = tmp_path / "sharded"
+    from edgeq.convert.pipeline import convert
+
+    convert(TINY_PROSE, sharded, max_shard_bytes=1 << 20)
+    assert inspect_checkpoint(sharded).problems == ()
+    (sharded / "model.safetensors.index.json").unlink()
+    assert inspect_checkpoint(sharded).problems == (
+        f"{sharded}: no model.safetensors or model.safetensors.index.json (load refuses the checkpoint)",)
+    with pytest.raises(EdgeqError, match=r"--max-model-len 0: must be at least 1"):
+        inspect_checkpoint(edgeq_ckpt, max_model_len=0)
+
+
 def test_every_kernel_has_a_layout_with_the_whole_protocol():
     """A Kernel member without a registered Layout, or with one that lacks a member, would make inspect (and plan
     and load) refuse its checkpoints: every kernel's layout is that kernel's and has every member of the protocol,

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 from edgeq.convert.recipe import Recipe
-from edgeq.io.hf import Checkpoint, open_checkpoint
+from edgeq.errors import EdgeqError
+from edgeq.io.hf import Checkpoint, open_checkpoint, weight_files
 from edgeq.io.manifest import Manifest
 from edgeq.memory import DEFAULT_KV_CACHE_BYTES, MemoryProjection, kv_geometry
 from edgeq.inspect.checks import inspect_edgeq
@@ -70,6 +71,8 @@ def inspect_checkpoint(
 ) -> InspectReport:
     """Inspect a checkpoint directory. Headers only unless ``verify``. Raises :class:`EdgeqError` for unreadable input
     (truncated or lying headers, missing shards); everything else wrong with it is a ``problem`` in the report."""
+    if max_model_len is not None and max_model_len < 1:
+        raise EdgeqError(f"--max-model-len {max_model_len}: must be at least 1 (omit it for the model's own)")
     ckpt = open_checkpoint(path)
     problems: list[str] = []
     warnings: list[str] = []
@@ -106,6 +109,13 @@ def _edgeq(ckpt: Checkpoint, rec: Recipe, strict_layout: bool, memory_args: tupl
     """An edgeq checkpoint: its checks, a missing tokenizer, and the memory as stored (repacked when load would)."""
     found = inspect_edgeq(ckpt, rec, strict_layout, problems, warnings)
     from edgeq.convert.records import tokenizer_problem  # noqa: PLC0415 (no tokenizer: generate/serve cannot encode text)
+    from edgeq.runtime.qinfo import read_checkpoint  # noqa: PLC0415 (torch: only for edgeq checkpoints)
+
+    try:  # what load itself refuses first: its shard files and config.json's quantization_config against the manifest
+        weight_files(ckpt.root, any_name=False)
+        read_checkpoint(ckpt.root, ckpt.config)
+    except EdgeqError as e:
+        problems.append(f"{e} (load refuses the checkpoint)")
 
     if no_tokenizer := tokenizer_problem(ckpt.root):
         problems.append(no_tokenizer)
