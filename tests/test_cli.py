@@ -270,6 +270,16 @@ def test_serve_port_in_use_names_the_flag(capsys):
     assert err.startswith("error: --host 127.0.0.1 --port") and "--port 0 picks a free one" in err
 
 
+def test_repack_says_what_it_did(fixture_quantized, tmp_path, capsys):
+    """Already this machine's layout: in place nothing happens; with -o a copy is still written, and it says so."""
+    out_dir = tmp_path / "copy"
+    code, _, err = run(["repack", fixture_quantized, "-o", out_dir], capsys)
+    assert code == 0 and (out_dir / "config.json").is_file()
+    assert err.startswith(f"{out_dir}: copied from {fixture_quantized}, already packed for this machine (layout ")
+    code, _, err = run(["repack", out_dir], capsys)
+    assert code == 0 and err.startswith(f"{out_dir}: already packed for this machine (") and "nothing to do" in err
+
+
 def test_repack_json_summary(fixture_quantized, tmp_path, capsys):
     out_dir = tmp_path / "repacked"
     code, out, err = run(["repack", fixture_quantized, "-o", out_dir, "--json"], capsys)

@@ -25,7 +25,9 @@ def repack(
         emit(r, as_json)
         return
     layout = describe_layout(tinygemm.probe())  # the target: what this process's torch packs for, and why
-    if not r.changed:
+    if not r.changed and output is not None:  # a copy was still written: say so
+        say(f"{r.path}: copied from {model}, already packed for this machine (layout {layout})")
+    elif not r.changed:
         say(f"{r.path}: already packed for this machine (layout {layout}); nothing to do")
     else:
         say(f"{r.path}: repacked {r.tensors} tensors ({r.bytes_repacked} bytes) from layout {r.old_layout_hash[:12]} "
