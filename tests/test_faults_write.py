@@ -278,3 +278,45 @@ def test_summary_line_without_the_variable_says_torch_chose(model, tmp_path, cap
     report = json.loads(stdout)
     assert code == 0 and report["layout"].startswith("tinygemm ") and "torch's dispatch on this CPU" in report["layout"]
     assert report["warnings"] and "no tokenizer files" in report["warnings"][0]
+
+
+# ------------------------------------------------------------------- interrupts while libraries load (audit 2026-12-04)
+
+def test_interrupts_deferred_hold_a_real_signal_until_the_block_ends():
+    from edgeq.io import writer
+
+    writer.RECEIVED.clear()
+    reached = []
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        with writer.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler has run by now: it recorded, it did not raise
+            reached.append(True)
+    assert reached == [True] and writer.RECEIVED == [signal.SIGINT]
+
+
+def test_ctrl_c_while_libraries_load_is_an_interruption_not_a_traceback(model, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C inside torch's import used to come out as an ImportError/RecursionError traceback (exit 1) from a
+    half-imported numpy, or be lost (the conversion ran to the end, exit 0): both through the real entry point."""
+    from edgeq.cli import main as cli_main
+
+    def interrupted_import(args):
+        with cli_main.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(cli_main, "_load_libraries", interrupted_import)
+    code, _, err = run_cli(["quantize", str(model), "-o", str(out), "-q"], capsys)
+    assert code == 2 and err == "interrupted: nothing was written (partial output removed)\n" and not out.exists()
+
+    def library_turns_it_into_an_import_error(args):  # what numpy's half-initialised import did with the signal
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            raise ImportError("cannot load module more than once per process") from None
+
+    monkeypatch.setattr(cli_main, "_load_libraries", library_turns_it_into_an_import_error)
+    code, _, err = run_cli(["quantize", str(model), "-o", str(out), "-q"], capsys)
+    assert code == 2 and err == "interrupted: nothing was written (partial output removed)\n" and not out.exists()

@@ -11,7 +11,9 @@ threshold is exit code 1.
 from __future__ import annotations
 
 import errno
+import signal
 import sys
+import threading
 import warnings
 
 import typer
@@ -21,6 +23,7 @@ from edgeq.cli import bench, demo, fidelity, generate, inspect, native, quantize
 from edgeq.cli.help import EdgeqGroup
 from edgeq.console import error, out, say
 from edgeq.errors import EdgeqError, ThresholdError
+from edgeq.io.writer import RECEIVED, interrupts_deferred, record_interrupt
 
 # rich_markup_mode=None: plain click help, so a help text's "[default: ...]" is shown, not read as rich markup.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=EdgeqGroup,
@@ -104,10 +107,39 @@ def os_error_line(e: OSError) -> str:
     return f"{where}: {what}; {fix}" if where else f"{what}; {fix}"
 
 
+# The commands that import torch and transformers: they are imported first, with interrupts deferred.
+_LIBRARY_COMMANDS = {"quantize", "generate", "serve", "repack", "demo", "native", "inspect", "bench", "route",
+                     "fidelity"}
+
+
+def _load_libraries(args: list[str]) -> None:
+    """torch and transformers imported with SIGINT/SIGTERM deferred (:func:`edgeq.io.writer.interrupts_deferred`):
+    a Ctrl-C in the first second of `edgeq quantize` used to surface as an ImportError or RecursionError traceback from
+    a half-imported numpy, or be lost (the conversion then ran to the end, exit 0)."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command in _LIBRARY_COMMANDS and not {"--help", "-h"} & set(args):
+        with interrupts_deferred():
+            import torch  # noqa: F401, PLC0415
+            import transformers  # noqa: F401, PLC0415
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``edgeq`` entry point: every failure is one ``error: ...`` line on stderr, exit code 2 (1: a threshold)."""
     warnings.showwarning = _show_warning
+    RECEIVED.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, record_interrupt) if main_thread else None  # remembered: the last except
     try:
+        _run(argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: list[str] | None) -> None:
+    """:func:`main`'s work: the command, and every way it can fail turned into one line and an exit code."""
+    try:
+        _load_libraries(sys.argv[1:] if argv is None else [str(a) for a in argv])
         # Non-standalone typer returns the exit code of typer.Exit, and 130 for a KeyboardInterrupt it caught.
         code = app(args=argv, prog_name="edgeq", standalone_mode=False)
         if code == 130:
@@ -136,6 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except typer.Abort:  # typer's own Abort (typer.exceptions), not a click class
         sys.exit(2)
+    except Exception:
+        if RECEIVED:  # an interrupt inside a library turned into another exception on its way out
+            say("interrupted: nothing was written (partial output removed)")
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

@@ -104,6 +104,36 @@ def prepare_output(out: Path, inputs: Iterable[str | Path]) -> None:
     remove_stale(out)
 
 
+RECEIVED: list[int] = []  # every SIGINT/SIGTERM edgeq's handlers saw in this process (the CLI's entry point reads it)
+
+
+def record_interrupt(signum, frame) -> None:
+    """A SIGINT/SIGTERM handler: remember it, then raise KeyboardInterrupt as Python's own SIGINT handler does."""
+    RECEIVED.append(signum)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM are recorded, not raised, for the duration; one that came raises KeyboardInterrupt after. For
+    importing torch and transformers: an interrupt inside their imports leaves modules half-initialised, and then a
+    later import fails with an unrelated error, or the signal is lost and the command runs to the end. Main thread
+    only (elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: seen.append(signum)) for s in _INTERRUPTS}
+    try:
+        yield
+    finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+    if seen:
+        RECEIVED.extend(seen)
+        raise KeyboardInterrupt(signal.Signals(seen[0]).name)
+
+
 class _Guard:
     """While ``held``, SIGINT/SIGTERM are recorded in ``pending`` instead of raising (the commit must not be torn)."""
 
@@ -124,7 +154,7 @@ def _interrupts() -> Iterator[_Guard]:
         if guard.held:
             guard.pending = signum
         else:
-            raise KeyboardInterrupt(signal.Signals(signum).name)
+            record_interrupt(signum, frame)
 
     old = {s: signal.signal(s, handler) for s in _INTERRUPTS}
     try:
