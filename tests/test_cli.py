@@ -152,6 +152,12 @@ def test_fidelity_interrupted_prints_the_partial_report_and_one_line(fixture_qua
     assert err.strip().splitlines() == ["interrupted: the statistics above are partial"]
 
 
+def test_fidelity_ctx_0_is_refused_not_the_default(fixture_quantized, capsys):
+    code, out, err = run(["fidelity", FIXTURE, fixture_quantized, "--ctx", "0"], capsys)
+    assert code == 2 and out == "" and err.strip().endswith("--ctx 0: a window needs at least 3 tokens to score any; "
+                                                            "use --ctx 512"), err
+
+
 def test_fidelity_help_default_is_the_reference_files_k():
     """cli/fidelity.py writes DEFAULT_REF_TOPK itself (the fidelity package imports torch): the two agree."""
     from edgeq.cli import fidelity as command

@@ -262,3 +262,11 @@ def test_weights_that_do_not_match_config_json_are_refused(tmp_path, capsys, src
     err = expect_error(tmp_path, capsys, src, pattern)
     assert err.startswith(f"error: {src}: the weights do not match config.json (") and err.endswith(
         "the checkpoint is incomplete or its config.json belongs to another model\n")
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--scheme", ""], "unknown scheme ''; valid: w4a16-g32"),  # was taken for the default
+    (["--max-shard-size", "0"], "--max-shard-size 0: must be a positive size"),  # wrote one file per tensor
+])
+def test_empty_and_zero_option_values_are_refused_not_defaulted(tmp_path, capsys, src, args, pattern):
+    expect_error(tmp_path, capsys, src, pattern, *args)

@@ -88,8 +88,11 @@ def quantize(
         _dry_run(plan, as_json)
         return
     target = output or Path(f"{str(model).rstrip('/')}-{plan.scheme}")
+    shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
+    if shard_bytes < 1:  # 0 wrote one file per tensor
+        raise EdgeqError(f"--max-shard-size {max_shard_size}: must be a positive size, e.g. 2GiB")
     report = _with_progress(lambda cb: convert(model, target, force=force, progress=cb, prepared=prepared,
-                                               max_shard_bytes=parse_bytes(max_shard_size)),
+                                               max_shard_bytes=shard_bytes),
                             plan.bytes_in + plan.head.bytes_in * plan.tied + _extra_reads(plan), quiet or as_json)
     emit(report, as_json, _render_convert)
     if not (quiet or as_json) and scheme is method is recipe is calib is None:
@@ -105,7 +108,7 @@ def _parse_scheme(scheme: str | None):
     chosen = resolve_scheme(scheme)
     if chosen != scheme:
         err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
-    return Scheme.parse(chosen) if chosen else None
+    return Scheme.parse(chosen) if chosen is not None else None  # "" is parsed, and refused, not the default
 
 
 def _suggest_quality(plan) -> None:

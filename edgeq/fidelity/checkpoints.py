@@ -56,9 +56,9 @@ def run_fidelity(ref: Optional[str | os.PathLike], quant: Optional[str | os.Path
                                          max_tokens=max_tokens, progress=progress)
     if ref is None:
         raise EdgeqError("fidelity: no reference checkpoint; usage: edgeq fidelity REF QUANT (or QUANT --ref FILE)")
-    return compare(load(ref), load(quant), text=text, ctx=ctx or DEFAULT_CTX, score=score or "half",
-                   max_tokens=max_tokens, per_layer=per_layer, top=top, save_ref=save_ref, ref_topk=ref_topk,
-                   progress=progress)
+    ctx = DEFAULT_CTX if ctx is None else ctx  # 0 is refused by the windowing, not taken for the default
+    return compare(load(ref), load(quant), text=text, ctx=ctx, score=score or "half", max_tokens=max_tokens,
+                   per_layer=per_layer, top=top, save_ref=save_ref, ref_topk=ref_topk, progress=progress)
 
 
 def save_reference_checkpoint(ref: str | os.PathLike, save_ref: str | os.PathLike, *,
@@ -69,8 +69,8 @@ def save_reference_checkpoint(ref: str | os.PathLike, save_ref: str | os.PathLik
     :func:`~edgeq.fidelity.run.save_reference_file`); returns (positions, PPL of the reference)."""
     model = _default_load(ref)  # loaded before --text is read, as ever: a bad REF is reported first
     return save_reference_file(model, save_ref, text=read_text(text_path) if text_path else None,
-                               ctx=ctx or DEFAULT_CTX, score=score or "half", max_tokens=max_tokens, k=k,
-                               progress=progress)
+                               ctx=DEFAULT_CTX if ctx is None else ctx, score=score or "half", max_tokens=max_tokens,
+                               k=k, progress=progress)
 
 
 def is_edgeq_checkpoint(path: str | os.PathLike) -> bool:
