@@ -152,6 +152,16 @@ def test_fidelity_interrupted_prints_the_partial_report_and_one_line(fixture_qua
     assert err.strip().splitlines() == ["interrupted: the statistics above are partial"]
 
 
+def test_an_error_is_one_line_also_where_a_progress_bar_would_run(fixture_quantized, tmp_path, capsys):
+    """Without -q a progress bar ran on a non-terminal stderr too, and stopping it left a blank line first."""
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    code, _, err = run(["quantize", FIXTURE, "-o", tmp_path / "busy"], capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, repr(err)
+    code, _, err = run(["fidelity", FIXTURE, fixture_quantized, "--ctx", "2"], capsys)
+    assert code == 2 and err.startswith("error: --ctx 2: ") and err.count("\n") == 1, repr(err)
+
+
 def test_fidelity_ctx_0_is_refused_not_the_default(fixture_quantized, capsys):
     code, out, err = run(["fidelity", FIXTURE, fixture_quantized, "--ctx", "0"], capsys)
     assert code == 2 and out == "" and err.strip().endswith("--ctx 0: a window needs at least 3 tokens to score any; "

@@ -22,12 +22,13 @@ DEFAULT_REF_TOPK = 32
 
 
 def _progress_bar(quiet: bool = False):
-    """A rich progress bar on stderr and the callback that drives it (``quiet``: neither)."""
+    """A rich progress bar on stderr and the callback that drives it (``quiet``, or stderr not a terminal: neither; a
+    bar stopped on a non-terminal left a blank line before the one ``error:`` line)."""
     from contextlib import nullcontext  # noqa: PLC0415
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn  # noqa: PLC0415
 
-    if quiet:
+    if quiet or not err.is_terminal:
         return nullcontext(), None
     bar = Bar(TextColumn("fidelity windows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
               console=err, transient=True)

@@ -168,8 +168,9 @@ def _gptq_options(calib, nsamples, seqlen, act_order, damp, method, seed=None, g
 
 
 def _with_progress(run, total: int, quiet: bool):
-    """``run(callback)`` under a byte progress bar on stderr (``quiet``: ``run(None)``, no bar)."""
-    if quiet:
+    """``run(callback)`` under a byte progress bar on stderr (``quiet``, or stderr not a terminal: ``run(None)``, no
+    bar; a bar stopped on a non-terminal left a blank line before the one ``error:`` line)."""
+    if quiet or not err.is_terminal:
         return run(None)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415
 
