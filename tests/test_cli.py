@@ -162,6 +162,24 @@ def test_an_error_is_one_line_also_where_a_progress_bar_would_run(fixture_quanti
     assert code == 2 and err.startswith("error: --ctx 2: ") and err.count("\n") == 1, repr(err)
 
 
+def test_messages_name_what_is_wrong_with_the_path(fixture_quantized, tmp_path, capsys):
+    """A file given as a checkpoint, a directory as --ref, an unreadable tokenizer.json: each said something vaguer."""
+    (tmp_path / "notes.txt").write_text("x")
+    code, _, err = run(["generate", tmp_path / "notes.txt", "hi"], capsys)
+    assert code == 2 and err == (f"error: {tmp_path / 'notes.txt'}: is a file, not a checkpoint directory; give the "
+                                 "directory that holds config.json\n")
+    code, _, err = run(["fidelity", fixture_quantized, "--ref", tmp_path], capsys)
+    assert code == 2 and err.strip().endswith(f"{tmp_path}: is a directory; --ref takes the file --save-ref wrote")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(fixture_quantized, broken)
+    (broken / "tokenizer.json").write_text("{bad")
+    code, _, err = run(["generate", broken, "hi", "--max-tokens", "2"], capsys)
+    assert code == 2 and err.startswith(f"error: {broken}: tokenizer files present but unreadable (tokenizer.json")
+    assert err.endswith("re-copy them from the source model\n")
+
+
 def test_fidelity_ctx_0_is_refused_not_the_default(fixture_quantized, capsys):
     code, out, err = run(["fidelity", FIXTURE, fixture_quantized, "--ctx", "0"], capsys)
     assert code == 2 and out == "" and err.strip().endswith("--ctx 0: a window needs at least 3 tokens to score any; "

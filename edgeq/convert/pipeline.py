@@ -173,6 +173,9 @@ def _prepare(src: str | Path, scheme: Scheme | None, method: str | None, recipe_
     return ckpt, build_plan(ckpt, scheme, method, recipe), recipe
 
 
+HEADROOM = 64 << 20  # free space asked for beyond the checkpoint's bytes (the manifest, the card, the file system)
+
+
 def _check_output(out: Path, force: bool, need: int) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise EdgeqError(f"{out}: exists and is not empty; choose another -o or pass --force to replace it")
@@ -180,8 +183,9 @@ def _check_output(out: Path, force: bool, need: int) -> None:
     if parent is None:
         raise EdgeqError(f"{out.parent}: no such directory for the output")
     free = shutil.disk_usage(parent).free
-    if free < need:
-        raise EdgeqError(f"{parent}: {free / 2**20:.0f} MiB free, the output needs {need / 2**20:.0f} MiB; free space or choose another -o")
+    if free < need + HEADROOM:
+        raise EdgeqError(f"{parent}: {free / 2**20:.0f} MiB free, the output needs {need / 2**20:.0f} MiB plus "
+                         f"{HEADROOM >> 20} MiB of headroom; free space or choose another -o")
 
 
 def _inputs(ckpt: Checkpoint, plan: Plan) -> list[Path]:
@@ -219,7 +223,7 @@ def convert(
     layout = packer(plan.scheme.kernel).record(plan.scheme)
     out = Path(out).resolve()
     prepare_output(out, _inputs(ckpt, plan))
-    _check_output(out, force, plan.bytes_out + (64 << 20))
+    _check_output(out, force, plan.bytes_out)
     windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     float_input = ckpt if not plan.source else None  # GPTQ input: its config describes another layout
     with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced

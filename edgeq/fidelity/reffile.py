@@ -106,6 +106,8 @@ def load_reference_file(path: str | os.PathLike) -> ReferenceFile:
 
     path = Path(path)
     fix = "re-create it with edgeq fidelity REF QUANT --save-ref FILE"
+    if path.is_dir():
+        raise EdgeqError(f"{path}: is a directory; --ref takes the file --save-ref wrote")
     if not path.is_file():
         raise EdgeqError(f"{path}: reference file not found; {fix}")
     try:

@@ -165,6 +165,8 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
     (:func:`verify_shards`; it reads the whole checkpoint once, see docs/runtime.md for the cost)."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise EdgeqError(f"{path}: is a file, not a checkpoint directory; give the directory that holds config.json")
     if not (path / CONFIG).exists():
         raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
     if verify:
@@ -337,4 +339,6 @@ def _tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise EdgeqError(f"{path}: tokenizer files present but unreadable ({e})") from e
+        present = ", ".join(f for f in TOKENIZER_FILES + ("tokenizer_config.json",) if (path / f).exists())
+        raise EdgeqError(f"{path}: tokenizer files present but unreadable ({present}: {e}); re-copy them from the "
+                         f"source model") from e
