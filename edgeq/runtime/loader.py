@@ -164,11 +164,7 @@ def load(path, *, max_model_len: int | None = None, kv_cache_bytes: int | str = 
     Always checked (cheap): every shard's size against its header, every scale and zero of the quantised modules
     finite. ``verify=True`` also reads every shard and compares its sha256 with the manifest's
     (:func:`verify_shards`; it reads the whole checkpoint once, see docs/runtime.md for the cost)."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise EdgeqError(f"{path}: is a file, not a checkpoint directory; give the directory that holds config.json")
-    if not (path / CONFIG).exists():
-        raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
+    path = _checkpoint_dir(path)
     if verify:
         verify_shards(path)
     loop = _decode_loop_choice(decode_loop)
@@ -329,6 +325,16 @@ def _generation_config(model: nn.Module, path: Path) -> None:
             model.generation_config = GenerationConfig.from_pretrained(str(path))
         except (OSError, ValueError) as e:
             raise EdgeqError(f"{path}/generation_config.json: unreadable ({e})") from e
+
+
+def _checkpoint_dir(path) -> Path:
+    """``path`` as a directory holding config.json; anything else is an EdgeqError saying what it is."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise EdgeqError(f"{path}: is a file, not a checkpoint directory; give the directory that holds config.json")
+    if not (path / CONFIG).exists():
+        raise EdgeqError(f"{path}: no config.json; expected an edgeq or Hugging Face checkpoint directory")
+    return path
 
 
 def _tokenizer(path: Path):
