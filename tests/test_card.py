@@ -13,6 +13,7 @@ from edgeq.convert import card
 from edgeq.convert.plan import effective_bits
 from edgeq.convert.pipeline import convert, prepare
 from edgeq.errors import EdgeqError
+from edgeq.io.manifest import Manifest
 from edgeq.scheme import Scheme
 from helpers.cli import run_cli
 from helpers.models import save_tiny
@@ -33,7 +34,7 @@ def test_card_bits_count_each_module_at_its_own_group_size(quant):
 
     manifest = json.loads((quant / "edgeq_manifest.json").read_text())
     assert set(manifest["group_sizes"].values()) == {32}
-    bits = card.bits_per_weight(manifest, 128)
+    bits = card.bits_per_weight(Manifest.from_json(manifest))
     assert bits == pytest.approx(inspect_checkpoint(quant).effective_bits, rel=1e-12)
     assert 4.5 < bits < 5  # between all-g128 (4.25) and all-g32 (5.0)
     mask = os.umask(0)
@@ -49,7 +50,7 @@ def test_card_states_what_was_written(tmp_path, scheme):
     text = (out / "README.md").read_text()
     manifest = json.loads((out / "edgeq_manifest.json").read_text())
     plan = prepare(src, Scheme.parse(scheme), None, None)[1]
-    bits = card.bits_per_weight(manifest, 32)
+    bits = card.bits_per_weight(Manifest.from_json(manifest))
     assert bits == pytest.approx(effective_bits(plan), rel=1e-12)  # the card's figure is the plan's
     assert f"| bits per weight | {bits:.3f} (scales and zeros included) |" in text
     assert f"| made from | `{src}` (qwen2) |" in text

@@ -80,16 +80,14 @@ def _read(path: Path) -> dict:
     return read_json(path, "; a model card describes an edgeq checkpoint (run `edgeq quantize` first)")
 
 
-def bits_per_weight(manifest: dict, group_size: int) -> float:
+def bits_per_weight(manifest: Manifest) -> float:
     """Stored bits per quantised weight, scales, zeros and permutations included (module docstring); each module
-    at its own group size (the manifest's ``group_sizes``, else ``group_size``, the scheme's)."""
-    tensors = manifest.get("tensors") or {}
-    own = manifest.get("group_sizes") or {}
+    at its own group size (:meth:`Manifest.group_size`: the recipe's per-module size, else the scheme's)."""
     stored = weights = 0
-    for module in manifest.get("quantized_modules") or []:
-        g = int(own.get(module, group_size))
+    for module in manifest.quantized_modules:
+        g = manifest.group_size(module)
         for part in QUANTISED_PARTS:
-            t = tensors.get(module + part)
+            t = manifest.tensors.get(module + part)
             if not t:
                 continue
             numel = math.prod(t["shape"])
@@ -109,7 +107,7 @@ def facts(directory: Path | str, source: Optional[str] = None) -> CardFacts:
     g = int(qc.get("group_size") or 0)
     return CardFacts(
         source=source, scheme=manifest.scheme, method=manifest.method, kernel=manifest.kernel, group_size=g,
-        bits_per_weight=bits_per_weight(manifest.to_json(), g), head=dict(manifest.head),
+        bits_per_weight=bits_per_weight(manifest), head=dict(manifest.head),
         kept_bf16=dict(manifest.modules_not_converted), layout=dict(manifest.layout),
         perm_modules=len(manifest.extra.get("perm_modules") or []), model_type=str(config.get("model_type", "")),
         created_by=dict(manifest.created_by), embeddings=packed_embeddings(manifest),

@@ -47,23 +47,24 @@ class ReferenceFile:
 def check_save_target(path: str | os.PathLike) -> None:
     """Before any scoring: ``--save-ref FILE`` may replace an earlier reference file, nothing else (not the --text
     it reads, not a directory), and its directory must exist."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.parent.is_dir():
         raise EdgeqError(f"--save-ref {path}: {path.parent} is not a directory; create it or choose another path")
-    if not path.exists():
-        return
-    mine = False
-    if path.is_file():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                mine = "edgeq_fidelity_ref" in (f.metadata() or {})
-        except Exception:  # not safetensors at all (a text file): not a reference file
-            mine = False
-    if not mine:
+    if path.exists() and not _is_reference_file(path):
         raise EdgeqError(f"--save-ref {path}: exists and is not an edgeq reference file; edgeq replaces only its own "
                          f"reference files: choose another path")
+
+
+def _is_reference_file(path: Path) -> bool:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return "edgeq_fidelity_ref" in (f.metadata() or {})
+    except Exception:  # not safetensors at all (a text file): not a reference file, and refused as such
+        return False
 
 
 def write_reference(path: str | os.PathLike, windows: torch.Tensor, rows: list[RefRows], win: Windowing, *, k: int,

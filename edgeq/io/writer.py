@@ -113,27 +113,6 @@ def record_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM are recorded, not raised, for the duration; one that came raises KeyboardInterrupt after. For
-    importing torch and transformers: an interrupt inside their imports leaves modules half-initialised, and then a
-    later import fails with an unrelated error, or the signal is lost and the command runs to the end. Main thread
-    only (elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    seen: list[int] = []
-    old = {s: signal.signal(s, lambda signum, _frame: seen.append(signum)) for s in _INTERRUPTS}
-    try:
-        yield
-    finally:
-        for s, previous in old.items():
-            signal.signal(s, previous)
-    if seen:
-        RECEIVED.extend(seen)
-        raise KeyboardInterrupt(signal.Signals(seen[0]).name)
-
-
 class _Guard:
     """While ``held``, SIGINT/SIGTERM are recorded in ``pending`` instead of raising (the commit must not be torn)."""
 
@@ -162,6 +141,26 @@ def _interrupts() -> Iterator[_Guard]:
     finally:
         for s, previous in old.items():
             signal.signal(s, previous)
+
+
+@contextmanager
+def interrupts_held() -> Iterator[_Guard]:
+    """SIGINT/SIGTERM are recorded in the guard's ``pending``, not raised, for the duration (main thread only)."""
+    with _interrupts() as guard:
+        guard.held = True
+        yield guard
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM held for the duration; one that came raises KeyboardInterrupt after. For importing torch and
+    transformers: an interrupt inside their imports leaves modules half-initialised, and then a later import fails
+    with an unrelated error, or the signal is lost and the command runs to the end."""
+    with interrupts_held() as guard:
+        yield
+    if guard.pending is not None:
+        RECEIVED.append(guard.pending)
+        raise KeyboardInterrupt(signal.Signals(guard.pending).name)
 
 
 @contextmanager

@@ -80,8 +80,7 @@ def repack(path, out=None, *, layout: TinygemmLayout | None = None) -> RepackRep
         return RepackReport(str(dst), False, 0, 0, 0.0, info.layout.layout_hash, target.layout_hash)
     if dst != src and dst.exists() and any(dst.iterdir()):
         raise EdgeqError(f"{dst}: exists and is not empty; choose another output directory")
-    if (src / MANIFEST).exists():  # new shards get new sha256s: damaged bytes must not be blessed with them
-        verify_shards(src)
+    verify_shards(src)  # new shards get new sha256s: damaged bytes must not be blessed with them
     t0 = time.perf_counter()
     files = MappedFiles(src)
     quantized = set(info.quantized_modules) | set(level_modules(info))  # a packed embedding's levels: same layout

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import signal
-import threading
 from typing import Callable
 
 import uvicorn
 
 from edgeq.errors import EdgeqError
+from edgeq.io.writer import interrupts_held
 from edgeq.runtime.serve.app import create_app
 from edgeq.runtime.serve.engine import worker
 
@@ -62,20 +62,12 @@ class _StoppingServer(uvicorn.Server):
 
 
 def _run_until_stopped(server, sock) -> str | None:
-    """Run ``server`` on ``sock``; the signal uvicorn re-raises after its graceful shutdown is recorded here
-    instead of killing the process (SIGTERM) or surfacing as KeyboardInterrupt (SIGINT)."""
-    seen: list[int] = []
-    main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread only
-    previous = {s: signal.signal(s, lambda sig, _frame: seen.append(sig)) for s in _STOPS} if main else {}
-    try:
+    """Run ``server`` on ``sock``; the signal uvicorn re-raises after its graceful shutdown is held here instead of
+    killing the process (SIGTERM) or surfacing as KeyboardInterrupt (SIGINT). uvicorn re-raises the signals it caught
+    last first, so the one held is the one that stopped it."""
+    with interrupts_held() as guard:
         server.run(sockets=[sock])
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return signal.Signals(seen[0]).name if seen else None
-
-
-_STOPS = (signal.SIGINT, signal.SIGTERM)
+    return signal.Signals(guard.pending).name if guard.pending is not None else None
 
 
 def _listen(host: str, port: int):
