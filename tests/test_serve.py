@@ -125,6 +125,39 @@ def test_queue_full_gets_429(server):
     assert waiting["r"].status_code == 200 and waiting["r"].json()["choices"][0]["text"]
 
 
+def _poll(url, key, want, seconds=30):
+    deadline = time.time() + seconds
+    while httpx.get(url + "/health").json()[key] != want and time.time() < deadline:
+        time.sleep(0.02)
+    return httpx.get(url + "/health").json()[key]
+
+
+def test_a_waiting_client_that_leaves_frees_its_place_at_once(server):
+    """A client that gives up while queued is taken out of the queue when it leaves, not when its turn comes: it stops
+    counting as waiting and its place goes to the next request (queue_size 1: without this, a 429)."""
+    url, _, app = server
+    engine = app.state.engine
+    engine.queue_size = 1
+    release = threading.Event()
+    engine.submit(release.wait)  # a generation in progress, held until released
+    later = {}
+    t = threading.Thread(target=lambda: later.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                    json={"prompt": "Once", "max_tokens": 4})))
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # waits behind the held one, gives up after 1 s and closes
+            httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=httpx.Timeout(1.0))
+        assert _poll(url, "waiting", 0) == 0 and engine.pending == 1
+        t.start()
+        assert _poll(url, "waiting", 1) == 1
+    finally:
+        release.set()
+        if t.ident:
+            t.join(60)
+        engine.queue_size = 8
+    assert later["r"].status_code == 200 and later["r"].json()["choices"][0]["text"]
+    assert _poll(url, "running", 0) == 0 and engine.pending == 0
+
+
 def test_concurrent_clients_each_get_their_own_answer(server):
     url, lm, _ = server
     prompts = ["Once upon a time", "The cat", "In the morning", "She said"]

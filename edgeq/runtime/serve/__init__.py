@@ -14,7 +14,7 @@ up to ``queue_size`` more requests wait; beyond that a request gets 429 at once.
 ``{"error": {"message", "type", "param", "code"}}`` with a string ``code``; a fault of the checkpoint found while
 generating (:class:`DamagedCheckpointError`) is a 500 ``damaged_checkpoint``, any other failure a 500
 ``internal_error``, and neither closes the connection or stops the server. A client that disconnects, streaming or
-not, cancels its generation at the next token (or before it starts, if it was waiting).
+not, cancels its generation at the next token (or, if it was waiting, takes it out of the queue at once).
 
 Modules: :mod:`.app` builds the app (:func:`create_app`), :mod:`.handlers` does each endpoint's work,
 :mod:`.schemas` reads and validates request bodies, :mod:`.responses` writes OpenAI's response shapes,

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from edgeq.runtime.generation import Generation
 from edgeq.runtime.serve.errors import ServerStopping, busy, generation_error, stopping
@@ -44,6 +44,15 @@ class Engine:
                 return None
             self.pending += 1
         return self._pool.submit(self._run, job)
+
+    def withdraw(self, future: Future) -> bool:
+        """Take a waiting job out of the queue (its client left): True if it had not started, its slot freed at once
+        (it stops counting in ``/health``'s ``waiting`` and in the 429 limit); False if it is running already."""
+        if not future.cancel():
+            return False
+        with self._lock:
+            self.pending -= 1
+        return True
 
     def _run(self, job):
         with self._lock:
@@ -86,9 +95,12 @@ async def run(request: Request, engine: Engine, gen: Generation, stream: bool, s
     events: asyncio.Queue = asyncio.Queue()
     cancel = threading.Event()
     gen.cancel = lambda: cancel.is_set() or engine.stopping.is_set()
-    if engine.submit(_job(gen, events, cancel, loop, engine.stopping)) is None:
+    future = engine.submit(_job(gen, events, cancel, loop, engine.stopping))
+    if future is None:
         raise busy(engine)
-    kind, value = await _first(request, events, cancel, stream)
+    kind, value = await _first(request, events, cancel, stream, lambda: engine.withdraw(future))
+    if kind == "gone":
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, the log line says why
     if kind == "error":
         raise generation_error(value)
     if not stream:
@@ -122,16 +134,30 @@ def _job(gen: Generation, events: asyncio.Queue, cancel: threading.Event, loop,
     return job
 
 
-async def _first(request: Request, events: asyncio.Queue, cancel: threading.Event, stream: bool) -> tuple:
-    """The first event a response needs (a stream: the first one; otherwise the end), watching for a disconnect."""
+async def _first(request: Request, events: asyncio.Queue, cancel: threading.Event, stream: bool,
+                 withdraw: Callable[[], bool]) -> tuple:
+    """The first event a response needs (a stream: the first one; otherwise the end), watching for a disconnect:
+    ("gone", None) if the client left while its job was still waiting (``withdraw`` took it out of the queue); a
+    job already running stops at its next token and ends with its "done" event."""
     watcher = asyncio.create_task(until_disconnect(request, cancel))
     try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():  # the client left
+                getter.cancel()
+                if withdraw():
+                    return "gone", None
+                break  # its job is running: it stops at the next token and ends with "done"
+            kind, value = getter.result()
+            if stream or kind != "delta":
+                return kind, value
         kind, value = await events.get()
         while not stream and kind == "delta":
             kind, value = await events.get()
+        return kind, value
     finally:
         watcher.cancel()
-    return kind, value
 
 
 async def _events(shape, item: tuple, events: asyncio.Queue, cancel: threading.Event):
