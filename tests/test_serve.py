@@ -217,3 +217,17 @@ def test_serve_loads_the_model_on_the_thread_that_generates(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     command.serve_command("ckpt", port=0)
     assert seen["load"] is seen["generate"] and seen["load"] is not threading.main_thread()
+
+
+def test_the_served_id_is_never_empty(tmp_path, monkeypatch):
+    """`edgeq serve .` served the id "" (Path(".").name): the id is the resolved directory's name."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from edgeq.runtime.serve.app import served_name
+
+    (tmp_path / "my-ckpt").mkdir()
+    monkeypatch.chdir(tmp_path / "my-ckpt")
+    assert served_name(SimpleNamespace(path=Path(".")), None) == "my-ckpt"
+    assert served_name(SimpleNamespace(path=Path("./")), "") == "my-ckpt"
+    assert served_name(SimpleNamespace(path=Path(".")), "chosen") == "chosen"

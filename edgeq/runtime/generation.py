@@ -11,20 +11,23 @@ logits:
   by ``seed`` (reproducible) or from the OS;
 - logprobs are always of the model's distribution (``log_softmax(logits)``, before temperature and top-p).
 
-Text is streamed by decoding all generated ids and emitting the new suffix; text that could still be the start of a
-stop string, or that ends in an incomplete UTF-8 sequence (U+FFFD), is held back until it is decided.
+Text is streamed by decoding all generated ids behind the prompt's last ids (:mod:`edgeq.runtime.detok`) and
+emitting the new suffix; text that could still be the start of a stop string, or that ends in an incomplete UTF-8
+sequence (U+FFFD), is held back until it is decided.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
 
 from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.runtime import crossover, native
+from edgeq.runtime.detok import Detokenizer
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, as OpenAI's API allows: not its characters
+            object.__setattr__(self, "stop", (self.stop,))
         if self.max_tokens < 1:
             raise EdgeqError(f"max_tokens={self.max_tokens}: must be at least 1")
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
@@ -54,9 +59,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """A generated token's logprob and its ``top`` (id, logprob) alternatives, with their text (:mod:`.detok`):
+    ``piece``, what the token adds to the text (the pieces join to it); ``token`` and ``top_tokens``, how each reads
+    in place (a partial character by its bytes, ``"\\xe2\\x80"``); ``bytes`` and ``top_bytes``, their own bytes."""
+
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    piece: str = ""
+    token: str = ""
+    bytes: bytes = b""
+    top_tokens: tuple[str, ...] = ()
+    top_bytes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,24 +142,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+def _logprob(logits: torch.Tensor, token: int, k: int, detok: Detokenizer, piece: str) -> TokenLogprob:
+    """``token``'s logprob and the ``k`` most likely alternatives, after ``detok`` added it as ``piece``."""
     lp = torch.log_softmax(logits, dim=-1)
     top = torch.topk(lp, k) if k else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprob(token, float(lp[token]), pairs)
+    (text, *texts), (raw, *raws) = detok.alternatives([token, *(i for i, _ in pairs)])
+    return TokenLogprob(token, float(lp[token]), pairs, piece, text, raw, tuple(texts), tuple(raws))
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters might still turn into a stop string or a complete UTF-8 character."""
-    hold = 0
+    """How many trailing characters might still turn into a stop string or a complete UTF-8 character: a trailing
+    U+FFFD run (an incomplete character) and the longest stop prefix ending just before it, which that character
+    may continue (``"e ․"`` over ``"the time \ufffd"`` holds back ``"e \ufffd"``)."""
+    partial = len(text) - len(text.rstrip("\ufffd"))
+    body, hold = text[: len(text) - partial], 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
+        for n in range(min(len(s) - 1, len(body)), 0, -1):
+            if body.endswith(s[:n]):
                 hold = max(hold, n)
                 break
-    if text.endswith("\ufffd"):
-        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
-    return hold
+    return hold + partial
 
 
 class Generation:
@@ -167,6 +184,7 @@ class Generation:
             gen = torch.Generator()
             gen.seed()
         eos = set() if p.ignore_eos else eos_ids(lm)
+        detok = Detokenizer(lm.tokenizer, self.prompt_ids)
         lm.cache.reset()
         emitted = 0
         t0 = time.perf_counter()
@@ -179,13 +197,14 @@ class Generation:
                 raise non_finite_error(lm, self.prompt_ids + r.token_ids, len(r.token_ids))
             f32 = logits.float() if p.temperature > 0 or p.logprobs is not None else None  # greedy needs no cast
             token = top if f32 is None or p.temperature == 0 else sample(f32, p, gen)
-            lp = (_logprob(f32, token, p.logprobs),) if p.logprobs is not None else ()
             if token in eos:
                 r.finish_reason = "stop"
                 break
             r.token_ids.append(token)
+            piece = detok.add(token)
+            lp = (_logprob(f32, token, p.logprobs, detok, piece),) if p.logprobs is not None else ()
             r.logprobs.extend(lp)
-            text = lm.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            text = detok.text
             cut = min((text.find(s) for s in p.stop if s in text), default=-1)
             if cut >= 0:
                 r.text = text[:cut]
@@ -204,6 +223,8 @@ class Generation:
                 r.finish_reason = "cancelled"
                 break
             logits = lm.decode_step(token)
+        if r.logprobs and detok.tail():  # ended inside a character: its U+FFFD belong to the last token
+            r.logprobs[-1] = replace(r.logprobs[-1], piece=r.logprobs[-1].piece + detok.tail())
         if len(r.text) > emitted:  # text held back for a stop string that never came
             yield Delta(r.text[emitted:], (), ())
         r.decode_seconds = time.perf_counter() - t_decode

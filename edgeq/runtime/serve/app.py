@@ -3,6 +3,8 @@ answers (every error a JSON ``{"error": ...}`` body) and its worker (:class:`~ed
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -11,6 +13,12 @@ from edgeq.runtime.serve.engine import Engine
 from edgeq.runtime.serve.errors import ApiError, Contain
 from edgeq.runtime.serve.handlers import Handlers
 from edgeq.runtime.sizes import parse_bytes
+
+
+def served_name(lm, model_name: str | None) -> str:
+    """The id clients ask for: ``model_name``, else the checkpoint directory's name (resolved: ``edgeq serve .``
+    served the id ``""``)."""
+    return model_name or Path(lm.path).resolve().name or str(lm.path)
 
 
 def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, model_name: str | None = None,
@@ -22,7 +30,7 @@ def create_app(lm, *, queue_size: int = 8, max_body_bytes: int | str = 1 << 20, 
                          f"needs them to read prompts and write text: copy them from the source model")
     limit = parse_bytes(max_body_bytes, "max_body_bytes")
     engine = Engine(lm, queue_size, pool)  # pool: the thread the model was loaded on (engine.worker)
-    handlers = Handlers(lm, model_name or lm.path.name, engine, limit)
+    handlers = Handlers(lm, served_name(lm, model_name), engine, limit)
     app = FastAPI(title="edgeq", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Contain)
     app.state.engine = engine

@@ -9,7 +9,7 @@ import uvicorn
 
 from edgeq.errors import EdgeqError
 from edgeq.io.writer import interrupts_held
-from edgeq.runtime.serve.app import create_app
+from edgeq.runtime.serve.app import create_app, served_name
 from edgeq.runtime.serve.engine import worker
 
 
@@ -37,7 +37,7 @@ def serve_command(path: str, host: str = "127.0.0.1", port: int = 8000, max_mode
         raise
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body_bytes, model_name=model_name, pool=pool)
     sock = _listen(host, port)
-    record = startup_record(lm, host, sock.getsockname()[1], model_name or lm.path.name)
+    record = startup_record(lm, host, sock.getsockname()[1], served_name(lm, model_name))
     if announce is not None:
         announce(record, lm)
     config = uvicorn.Config(app, host=host, port=record["port"], log_level="warning" if calm else "info",

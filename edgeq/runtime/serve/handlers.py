@@ -71,7 +71,7 @@ class Handlers:
         prompt = completion_prompt(req.prompt, self.lm.model.config.vocab_size)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.encode, prompt, False)
         gen = self.prepare(ids, req, req.max_tokens, req.logprobs)
-        shape = CompletionShape(self.name, self.token_text, req.include_usage)
+        shape = CompletionShape(self.name, req.include_usage)
         return await run(request, self.engine, gen, req.stream, shape)
 
     async def chat_completions(self, request: Request):
@@ -81,7 +81,7 @@ class Handlers:
         ids = await run_in_threadpool(self.encode, chat_messages(req), True)
         top = req.top_logprobs if req.top_logprobs is not None else 0
         gen = self.prepare(ids, req, req.max_completion_tokens or req.max_tokens, top if req.logprobs else None)
-        shape = ChatShape(self.name, self.token_text, req.include_usage)
+        shape = ChatShape(self.name, req.include_usage)
         return await run(request, self.engine, gen, req.stream, shape)
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -134,6 +134,3 @@ class Handlers:
             return encode_prompt(lm, prompt, chat)
         except (EdgeqError, TemplateError) as e:
             raise ApiError(400, f"{field}: {e}", param=field) from e
-
-    def token_text(self, token_id: int) -> str:
-        return self.lm.tokenizer.decode([token_id])

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable
-
 from edgeq.runtime.generation import Delta, GenerationResult
-
-TokenText = Callable[[int], str]  # a token id's text (the tokenizer's decode of that one id)
 
 
 def usage(r: GenerationResult) -> dict:
@@ -22,30 +18,32 @@ def finish(r: GenerationResult) -> str:
     return "stop" if r.finish_reason == "stop" else "length"
 
 
-def completion_logprobs(token_text: TokenText, lps, offset: int) -> dict | None:
-    """Completions' logprobs: tokens, their logprobs, top alternatives, each token's offset in the text (from
-    ``offset``, the text already sent)."""
+def completion_logprobs(lps, offset: int) -> dict | None:
+    """Completions' logprobs: tokens (each token's piece of the text: they join to it), their logprobs, the top
+    alternatives (keyed by how each reads in place) and each token's offset in the text, counted from ``offset`` (the
+    pieces of the tokens before, so a stream's offsets are the whole response's)."""
     if not lps:
         return None
-    tokens = [token_text(lp.token_id) for lp in lps]
     offsets, pos = [], offset
-    for t in tokens:
+    for lp in lps:
         offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+        pos += len(lp.piece)
+    return {"tokens": [lp.piece for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [dict(zip(lp.top_tokens, (v for _, v in lp.top))) for lp in lps], "text_offset": offsets}
 
 
-def chat_logprobs(token_text: TokenText, lps) -> dict | None:
-    """Chat's logprobs: per token its text, logprob, UTF-8 bytes and top alternatives (the same three each)."""
+def chat_logprobs(lps) -> dict | None:
+    """Chat's logprobs: per token how it reads, its logprob, its own bytes (a character split over tokens: its
+    bytes split the same way) and its top alternatives (the same three each)."""
     if not lps:
         return None
 
-    def entry(i, v):
-        t = token_text(i)
-        return {"token": t, "logprob": v, "bytes": list(t.encode())}
+    def entry(token, v, raw):
+        return {"token": token, "logprob": v, "bytes": list(raw)}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps]}
+    return {"content": [{**entry(lp.token, lp.logprob, lp.bytes),
+                         "top_logprobs": [entry(t, v, b) for t, (_, v), b in zip(lp.top_tokens, lp.top, lp.top_bytes)]}
+                        for lp in lps]}
 
 
 class _Shape:
@@ -54,13 +52,15 @@ class _Shape:
     object = ""
     prefix = ""
 
-    def __init__(self, model_name: str, token_text: TokenText, include_usage: bool):
+    def __init__(self, model_name: str, include_usage: bool):
         self.rid, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
-        self.model_name, self.token_text, self.include_usage = model_name, token_text, include_usage
+        self.model_name, self.include_usage = model_name, include_usage
 
     def base(self, choices: list, usage_: dict | None = None) -> dict:
+        """A chunk; with ``include_usage`` every chunk has ``usage``, null but in the last (OpenAI's stream)."""
+        u = {"usage": usage_} if usage_ is not None or self.include_usage else {}
         return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model_name,
-                "choices": choices, **({"usage": usage_} if usage_ is not None else {})}
+                "choices": choices, **u}
 
     def last_choice(self, r: GenerationResult) -> dict:
         raise NotImplementedError
@@ -78,22 +78,22 @@ class CompletionShape(_Shape):
 
     object, prefix = "text_completion", "cmpl"
 
-    def __init__(self, model_name: str, token_text: TokenText, include_usage: bool):
-        super().__init__(model_name, token_text, include_usage)
-        self.emitted = 0  # characters sent so far: the next chunk's logprob offsets start here
+    def __init__(self, model_name: str, include_usage: bool):
+        super().__init__(model_name, include_usage)
+        self.offset = 0  # the pieces of the tokens sent so far: the next chunk's logprob offsets start here
 
     def chunk(self, d: Delta) -> dict | None:
         if not d.text and not d.logprobs:
             return None
-        lp = completion_logprobs(self.token_text, list(d.logprobs), self.emitted)
-        self.emitted += len(d.text)
+        lp = completion_logprobs(list(d.logprobs), self.offset)
+        self.offset += sum(len(x.piece) for x in d.logprobs)
         return self.base([{"index": 0, "text": d.text, "logprobs": lp, "finish_reason": None}])
 
     def last_choice(self, r: GenerationResult) -> dict:
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish(r)}
 
     def whole(self, r: GenerationResult) -> dict:
-        return self.base([{"index": 0, "text": r.text, "logprobs": completion_logprobs(self.token_text, r.logprobs, 0),
+        return self.base([{"index": 0, "text": r.text, "logprobs": completion_logprobs(r.logprobs, 0),
                            "finish_reason": finish(r)}], usage(r))
 
 
@@ -102,8 +102,8 @@ class ChatShape(_Shape):
 
     object, prefix = "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, model_name: str, token_text: TokenText, include_usage: bool):
-        super().__init__(model_name, token_text, include_usage)
+    def __init__(self, model_name: str, include_usage: bool):
+        super().__init__(model_name, include_usage)
         self.started = False  # the first chunk carries the role
 
     def chunk(self, d: Delta) -> dict | None:
@@ -112,7 +112,7 @@ class ChatShape(_Shape):
         if not d.text and not d.logprobs and "role" not in delta:
             return None
         delta["content"] = d.text
-        return self.base([{"index": 0, "delta": delta, "logprobs": chat_logprobs(self.token_text, list(d.logprobs)),
+        return self.base([{"index": 0, "delta": delta, "logprobs": chat_logprobs(list(d.logprobs)),
                            "finish_reason": None}])
 
     def last_choice(self, r: GenerationResult) -> dict:
@@ -122,5 +122,5 @@ class ChatShape(_Shape):
     def whole(self, r: GenerationResult) -> dict:
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                             "logprobs": chat_logprobs(self.token_text, r.logprobs), "finish_reason": finish(r)}],
+                             "logprobs": chat_logprobs(r.logprobs), "finish_reason": finish(r)}],
                 "usage": usage(r)}
