@@ -60,7 +60,7 @@ def test_card_states_what_was_written(tmp_path, scheme):
     assert ("any x86-64 CPU, unchanged" in text) == scheme.startswith("w4a8")
     assert "Not measured yet. `edgeq fidelity REF out/ --save-card`" in text
     for how in ('import edgeq  # required', 'AutoModelForCausalLM.from_pretrained("out/")', "edgeq generate out/",
-                'pip install "edgeq[vllm]"', "vllm serve out/ --dtype bfloat16", "Without `import edgeq`"):
+                'pip install "edgeq[vllm]"', "python -m vllm.entrypoints.openai.api_server --model out/ --dtype bfloat16", "Without `import edgeq`"):
         assert how in text, how
     assert text.startswith("---\nlibrary_name: edgeq\n") and "base_model:" not in text  # a local source
 

@@ -229,6 +229,21 @@ def test_the_config_reads_packed_embeddings_and_refuses_what_it_cannot_hold(chec
 
 
 @needs_vllm
+@pytest.mark.parametrize("damage", ["nan-scale", "head-dropped", "one-layer-more"])
+def test_the_config_refuses_a_damaged_checkpoint_in_the_callers_process(checkpoints, tmp_path, damage):
+    """vLLM served a NaN scale, and zeros for missing tensors (it skips its own check under a quantization method):
+    the quant config runs load()'s refusals where LLM(...) is called, so the caller gets edgeq's line, not a worker's."""
+    from edgeq.integrations.vllm import EdgeqConfig
+    from helpers.damage import DAMAGE
+
+    broken = shutil.copytree(checkpoints["w4a16-g128"], tmp_path / damage)
+    spoil, error, message = DAMAGE[damage]
+    spoil(broken)
+    with pytest.raises(error, match=message):
+        EdgeqConfig({"quant_method": "edgeq"}).maybe_update_config(str(broken))
+
+
+@needs_vllm
 def test_the_config_reads_a_head_that_adds_the_tables_residual(checkpoints, tmp_path):
     """--head-levels 2: the plugin's head adds the packed embedding's residual level (the level's loaded tensors, read
     where the embedding holds them; a head level no packed table has is refused by the manifest reader first)."""

