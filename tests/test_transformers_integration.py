@@ -141,7 +141,7 @@ def test_config_rejects_other_bits_and_reads_legacy_keys():
         EdgeqConfig.from_dict({"quant_method": "edgeq", "bits": 8})
 
 
-def test_quantizer_refuses_gpu_and_on_the_fly_quantisation():
+def test_quantizer_refuses_gpu_and_on_the_fly_quantisation(monkeypatch):
     from edgeq.integrations.transformers import EdgeqConfig, EdgeqHfQuantizer
 
     q = EdgeqHfQuantizer(EdgeqConfig(), pre_quantized=True)
@@ -149,7 +149,9 @@ def test_quantizer_refuses_gpu_and_on_the_fly_quantisation():
     q.validate_environment(device_map={"": "cpu"})
     with pytest.raises(ValueError, match=r"device_map=.*: cuda:0 is not the CPU; edgeq checkpoints run on the CPU only"):
         q.validate_environment(device_map={"model": "cpu", "lm_head": "cuda:0"})
-    with pytest.raises(ValueError, match=r"device_map='auto': auto is not the CPU"):
+    q.validate_environment(device_map="auto")  # no accelerator here: "auto" is the CPU (most snippets pass it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"device_map='auto': auto is not the CPU.*load without device_map$"):
         q.validate_environment(device_map="auto")
     with pytest.raises(ValueError, match="run `edgeq quantize MODEL -o OUT`"):
         EdgeqHfQuantizer(EdgeqConfig(), pre_quantized=False).validate_environment(device_map=None)
@@ -228,3 +230,24 @@ def test_biases_and_modules_kept_in_bf16(tmp_path):
     with torch.inference_mode():
         ours = load(out, decode_ops="torch", prefill_attn="sdpa").forward(ids, use_cache=False)
         assert torch.equal(model(ids).logits, ours)
+
+
+def test_what_transformers_did_with_an_edgeq_checkpoint_beyond_generate(checkpoints, tmp_path):
+    """AutoModel blamed the checkpoint; a config.json saying tied crashed in transformers' tie_weights; backward ran
+    and trained nothing (no gradient flows through the kernels): now a pointer to AutoModelForCausalLM, the tie
+    ignored as the runtime and vLLM ignore it, and torch's own refusal of a backward with nothing to train."""
+    from transformers import AutoModel
+
+    path = checkpoints["w4a16-g128"]
+    with pytest.raises(EdgeqError, match=r"LlamaModel has no lm_head; .* load them with AutoModelForCausalLM"):
+        AutoModel.from_pretrained(str(path))
+    tied = shutil.copytree(path, tmp_path / "tied")
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = _from_pretrained(tied)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, _from_pretrained(path)(ids).logits)
+    assert not any(p.requires_grad for p in model.parameters())
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(ids, labels=ids).loss.backward()

@@ -121,7 +121,7 @@ class EdgeqHfQuantizer(HfQuantizer):
         elsewhere = _non_cpu(device_map)
         if elsewhere:
             raise ValueError(f"device_map={device_map!r}: {', '.join(elsewhere)} is not the CPU; edgeq checkpoints run "
-                             "on the CPU only: load without device_map (or device_map='cpu')")
+                             "on the CPU only: load without device_map")
 
     def update_dtype(self, dtype):
         if dtype is not None and dtype != torch.bfloat16:
@@ -130,6 +130,11 @@ class EdgeqHfQuantizer(HfQuantizer):
         return torch.bfloat16
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        # edgeq unties the head (it quantises it on its own): a config.json that still says tied made transformers
+        # tie the quantised head to the table after loading (an AttributeError); the runtime and vLLM ignore it too
+        model.config.tie_word_embeddings = False
+        if hasattr(model, "get_expanded_tied_weights_keys"):  # transformers 5 read the tie at construction
+            model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=False)
         self.state = swap_modules(model, checkpoint_dir(model, checkpoint_files))
         ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         model._keys_to_ignore_on_load_unexpected = ignored | {self.state.ignore_pattern()}
@@ -139,6 +144,8 @@ class EdgeqHfQuantizer(HfQuantizer):
         if self.state is not None:
             finish(model, self.state)
             model.edgeq = self.state
+        for p in model.parameters():  # inference only: no gradient flows through the 4-bit modules' kernels, so a
+            p.requires_grad_(False)   # loss.backward() that seemed to work trained nothing; now torch refuses it
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -180,9 +187,20 @@ def _logger():
     return logging.get_logger("edgeq")
 
 
+SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's strategies: where devices are
+
+
+def _accelerators() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return (torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+            or bool(mps is not None and mps.is_available()))
+
+
 def _non_cpu(device_map) -> list[str]:
-    """The entries of a ``device_map`` that are not the CPU ([] for None, "cpu", torch.device("cpu"))."""
-    if device_map is None:
+    """The entries of a ``device_map`` that are not the CPU ([] for None, "cpu", torch.device("cpu"), and for
+    "auto" & co. on a machine with no accelerator, where they mean the CPU)."""
+    if device_map is None or (device_map in SPREAD_MAPS and not _accelerators()):
         return []
     values = device_map.values() if isinstance(device_map, dict) else [device_map]
     return sorted({str(v) for v in values if str(v) != "cpu"})  # str(torch.device("cpu")) == "cpu"
@@ -226,6 +244,9 @@ def swap_modules(model, directory: Path) -> EdgeqState:
         info = read_checkpoint(directory, read_json(directory / "config.json"))
         if info is None:
             raise EdgeqError(f"{directory}/config.json: no edgeq quantization_config")
+        if info.head_name not in dict(model.named_modules()):  # AutoModel: the bare stack, names without "model."
+            raise EdgeqError(f"{directory}: {type(model).__name__} has no {info.head_name}; edgeq checkpoints hold a "
+                             "causal LM with its quantised head: load them with AutoModelForCausalLM")
         files, counts = MappedFiles(directory), Counter()
         preflight(directory, files, info)  # load()'s refusals: transformers would fill a missing weight randomly
         swapped = swap(model, files, info, counts, strict_layout=False, stacklevel=2)  # warns at the hook
