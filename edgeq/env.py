@@ -9,7 +9,7 @@ Every ``EDGEQ_*`` variable edgeq reads (the constants below name them), its defa
 - ``EDGEQ_DECODE_LOOP`` (auto): lean|transformers decode loop (runtime/loader, through :func:`choice`).
 - ``EDGEQ_DECODE_OPS`` (auto): native|torch ops around the projections (runtime/lean, through :func:`choice`).
 - ``EDGEQ_PREFILL_ATTN`` (auto): native|sdpa attention in the transformers forward (runtime/prefill_attn).
-- ``EDGEQ_STRICT_LAYOUT`` (off): ``1`` refuses weights packed for another machine's layout (vLLM plugin).
+- ``EDGEQ_STRICT_LAYOUT`` (off): ``1`` refuses weights packed for another machine's layout (vLLM plugin, transformers' from_pretrained).
 - ``EDGEQ_PREFILL_THRESHOLD`` (measured): the W4A16 prefill crossover M (vLLM plugin).
 - ``EDGEQ_CALIB_DTYPE`` (auto: bf16 where the CPU has bf16 dot products, else fp32): the GPTQ sweep's compute dtype,
   bf16|fp32; a named one also casts ``--calib self``'s sampling model (convert/calibrated, through :func:`choice`).

@@ -251,3 +251,18 @@ def test_what_transformers_did_with_an_edgeq_checkpoint_beyond_generate(checkpoi
     assert not any(p.requires_grad for p in model.parameters())
     with pytest.raises(RuntimeError, match="does not require grad"):
         model(ids, labels=ids).loss.backward()
+
+
+def test_strict_layout_is_honoured_as_in_vllm(checkpoints, tmp_path, monkeypatch):
+    """transformers repacked a foreign layout even with EDGEQ_STRICT_LAYOUT=1, which the vLLM plugin honours."""
+    from edgeq.runtime import repack
+    from edgeq.runtime.swap import LayoutRepackWarning
+    from helpers.checkpoints import foreign_layout
+
+    foreign = tmp_path / "foreign"
+    repack(checkpoints["w4a16-g128"], foreign, layout=foreign_layout())
+    with pytest.warns(LayoutRepackWarning):
+        _from_pretrained(foreign)
+    monkeypatch.setenv("EDGEQ_STRICT_LAYOUT", "1")
+    with pytest.raises(EdgeqError, match=r"run `edgeq repack` on it, or load without EDGEQ_STRICT_LAYOUT=1"):
+        _from_pretrained(foreign)
