@@ -26,6 +26,7 @@ from edgeq.runtime.generation import Generation, encode_prompt
 from edgeq.io.mapped import MappedFiles
 from helpers.checkpoints import prose_checkpoint, quantize
 from helpers.cli import run_cli
+from helpers.damage import poke
 from helpers.paths import FIXTURE
 
 PROMPT = "Once upon a time"
@@ -56,18 +57,6 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _poke(directory: Path, name: str, fn) -> None:
-    """Rewrite tensor ``name`` in place in its shard (the header and every other byte unchanged): ``fn`` edits a
-    copy of the tensor, which is written back at the same offset."""
-    info = MappedFiles(directory).tensors[name]
-    with open(info.file, "r+b") as f:
-        f.seek(info.start)
-        t = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=info.torch_dtype).view(info.shape).clone()
-        fn(t)
-        f.seek(info.start)
-        f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-
 def _edit_config(directory: Path, fn) -> None:
     config = json.loads((directory / "config.json").read_text())
     fn(config)
@@ -89,7 +78,7 @@ def _subprocess_cli(*args: str) -> subprocess.CompletedProcess:
 def test_non_finite_scale_or_zero_is_refused_at_load(prose, tmp_path, value, part):
     bad = _copy(prose, tmp_path / "bad")
     name = "model.layers.1.mlp.down_proj.scales_and_zeros"
-    _poke(bad, name, lambda t: t[0, 5].__setitem__(part, value))
+    poke(bad, name, lambda t: t[0, 5].__setitem__(part, value))
     with pytest.raises(DamagedCheckpointError, match=rf"model.safetensors: tensor {name}: 1 NaN/Inf value"):
         load(bad, prefill_threshold=4)
 
@@ -110,7 +99,7 @@ def test_a_shard_longer_than_its_header_is_refused(prose, tmp_path, capsys):
 def test_verify_finds_flipped_bytes_in_packed_weights(prose, tmp_path, capsys):
     """Every byte pattern is a valid pair of nibbles: only the sha256 can tell; without --verify it loads."""
     bad = _copy(prose, tmp_path / "bad")
-    _poke(bad, "model.layers.0.self_attn.q_proj.qweight", lambda t: t[:4].bitwise_xor_(0xFF))
+    poke(bad, "model.layers.0.self_attn.q_proj.qweight", lambda t: t[:4].bitwise_xor_(0xFF))
     load(bad, prefill_threshold=4)  # the cheap checks pass: the bytes are plausible
     with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: sha256 [0-9a-f]{12}\.\.\. does not match"):
         load(bad, prefill_threshold=4, verify=True)
@@ -145,7 +134,7 @@ def test_head_scales_at_the_bf16_maximum_stop_generation_naming_the_head(prose, 
     head's tensors are also the table's level 0, so the first module whose output is not finite is the embedding
     (it runs first); with a bf16 table it is the head."""
     bad = _copy(prose if storage == "packed" else prose_bf16, tmp_path / "bad")
-    _poke(bad, "lm_head.scales_and_zeros", lambda t: t[..., 0].fill_(BF16_MAX))
+    poke(bad, "lm_head.scales_and_zeros", lambda t: t[..., 0].fill_(BF16_MAX))
     lm = load(bad, prefill_threshold=4)
     with pytest.raises(DamagedCheckpointError, match=rf"logits of generated token 1 are not finite.*first non-finite output: {first}\."):
         generate(lm, PROMPT, SamplingParams(max_tokens=8))
@@ -162,9 +151,9 @@ def _damage_row(directory: Path, row: int) -> None:
     so load's NaN/Inf check on scales passes, but (q - 8) * scale overflows fp32 for |q - 8| >= 2: E's row is
     +-inf). scales_and_zeros is [K/G, V, 2], rows unpermuted."""
     if "model.embed_tokens.weight" in MappedFiles(directory).names():
-        _poke(directory, "model.embed_tokens.weight", lambda t: t[row].fill_(float("nan")))
+        poke(directory, "model.embed_tokens.weight", lambda t: t[row].fill_(float("nan")))
     else:
-        _poke(directory, "model.embed_tokens.scales_and_zeros", lambda t: t[:, row, 0].fill_(BF16_MAX))
+        poke(directory, "model.embed_tokens.scales_and_zeros", lambda t: t[:, row, 0].fill_(BF16_MAX))
 
 
 @pytest.mark.parametrize("storage", ["packed", "bf16"])
@@ -258,7 +247,7 @@ def test_a_scale_zero_or_negative_is_refused_at_load(prose, tmp_path, capsys, va
     """A flipped sign bit in a scale gives plausible wrong text; the quantiser never writes a scale <= 0."""
     bad = _copy(prose, tmp_path / "bad")
     name = "model.layers.0.self_attn.q_proj.scales_and_zeros"
-    _poke(bad, name, lambda t: t[0, 3].__setitem__(0, value))
+    poke(bad, name, lambda t: t[0, 3].__setitem__(0, value))
     code, out, err = run_cli(["generate", str(bad), PROMPT, "--max-tokens", "4"], capsys)
     assert code == 2 and out == ""
     assert err == (f"error: model.safetensors: tensor {name}: 1 scale(s) zero or negative; the file is damaged: "
@@ -286,7 +275,7 @@ def test_a_config_field_of_the_wrong_type_or_value_is_one_line_not_a_traceback(p
 def test_repack_refuses_a_damaged_source_instead_of_rehashing_it(prose, tmp_path, capsys):
     """repack writes new shards with new sha256s: copying flipped bytes would make them pass --verify afterwards."""
     bad = _copy(prose, tmp_path / "bad")
-    _poke(bad, "model.layers.0.mlp.down_proj.qweight", lambda t: t[:2].bitwise_xor_(0xFF))
+    poke(bad, "model.layers.0.mlp.down_proj.qweight", lambda t: t[:2].bitwise_xor_(0xFF))
     out = tmp_path / "out"
     code, _, err = run_cli(["repack", str(bad), "-o", str(out)], capsys)
     assert code == 2 and not out.exists()
@@ -298,7 +287,7 @@ def test_fidelity_of_a_model_with_nan_logits_is_an_error_not_a_report(prose, tmp
     """NaN logits made a 'mean KLD nan' report on the quantised side and a perfect 'mean KLD 0.000000' on the
     reference side, both with exit 0."""
     bad = _copy(prose if side == "quantised" else Path(FIXTURE), tmp_path / "bad")
-    _poke(bad, "model.norm.weight", lambda t: t.__setitem__(7, float("nan")))
+    poke(bad, "model.norm.weight", lambda t: t.__setitem__(7, float("nan")))
     text = tmp_path / "t.txt"
     text.write_text(Path(FIXTURE, "..", "heldout-prose.txt").resolve().read_text()[:4000])
     ref, quant = (FIXTURE, bad) if side == "quantised" else (bad, prose)

@@ -3,6 +3,7 @@ httpx and the openai client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -99,32 +100,6 @@ def test_chat_errors_and_unknown_route(server):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
-def test_queue_full_gets_429(server):
-    url, _, app = server
-    engine = app.state.engine
-    engine.queue_size = 1
-    release = threading.Event()
-    engine.submit(release.wait)  # a generation in progress, held until released
-    waiting = {}
-    t = threading.Thread(target=lambda: waiting.update(r=httpx.post(url + "/v1/completions", timeout=60,
-                                                                       json={"prompt": "Once", "max_tokens": 4})))
-    try:
-        t.start()
-        deadline = time.time() + 30
-        while httpx.get(url + "/health").json()["waiting"] < 1 and time.time() < deadline:
-            time.sleep(0.02)
-        assert httpx.get(url + "/health").json()["waiting"] == 1
-        full = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4})
-        assert full.status_code == 429 and "busy" in full.json()["error"]["message"]
-        streaming = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True})
-        assert streaming.status_code == 429
-    finally:
-        release.set()
-        t.join(60)
-        engine.queue_size = 8
-    assert waiting["r"].status_code == 200 and waiting["r"].json()["choices"][0]["text"]
-
-
 def _poll(url, key, want, seconds=30):
     deadline = time.time() + seconds
     while httpx.get(url + "/health").json()[key] != want and time.time() < deadline:
@@ -132,28 +107,49 @@ def _poll(url, key, want, seconds=30):
     return httpx.get(url + "/health").json()[key]
 
 
-def test_a_waiting_client_that_leaves_frees_its_place_at_once(server):
-    """A client that gives up while queued is taken out of the queue when it leaves, not when its turn comes: it stops
-    counting as waiting and its place goes to the next request (queue_size 1: without this, a 429)."""
-    url, _, app = server
+@contextlib.contextmanager
+def _one_running(url, app):
+    """queue_size 1 behind a generation held until the block ends; yields a thread that, started, sends a request
+    (its response in ``answers["r"]``) and the answers dict."""
     engine = app.state.engine
     engine.queue_size = 1
     release = threading.Event()
     engine.submit(release.wait)  # a generation in progress, held until released
-    later = {}
-    t = threading.Thread(target=lambda: later.update(r=httpx.post(url + "/v1/completions", timeout=60,
-                                                                    json={"prompt": "Once", "max_tokens": 4})))
+    answers = {}
+    t = threading.Thread(target=lambda: answers.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                      json={"prompt": "Once", "max_tokens": 4})))
     try:
-        with pytest.raises(httpx.ReadTimeout):  # waits behind the held one, gives up after 1 s and closes
-            httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=httpx.Timeout(1.0))
-        assert _poll(url, "waiting", 0) == 0 and engine.pending == 1
-        t.start()
-        assert _poll(url, "waiting", 1) == 1
+        yield t, answers
     finally:
         release.set()
         if t.ident:
             t.join(60)
         engine.queue_size = 8
+
+
+def test_queue_full_gets_429(server):
+    url, _, app = server
+    with _one_running(url, app) as (t, waiting):
+        t.start()
+        assert _poll(url, "waiting", 1) == 1
+        full = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+        assert full.status_code == 429 and "busy" in full.json()["error"]["message"]
+        streaming = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True})
+        assert streaming.status_code == 429
+    assert waiting["r"].status_code == 200 and waiting["r"].json()["choices"][0]["text"]
+
+
+def test_a_waiting_client_that_leaves_frees_its_place_at_once(server):
+    """A client that gives up while queued is taken out of the queue when it leaves, not when its turn comes: it stops
+    counting as waiting and its place goes to the next request (queue_size 1: without this, a 429)."""
+    url, _, app = server
+    engine = app.state.engine
+    with _one_running(url, app) as (t, later):
+        with pytest.raises(httpx.ReadTimeout):  # waits behind the held one, gives up after 1 s and closes
+            httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=httpx.Timeout(1.0))
+        assert _poll(url, "waiting", 0) == 0 and engine.pending == 1
+        t.start()
+        assert _poll(url, "waiting", 1) == 1
     assert later["r"].status_code == 200 and later["r"].json()["choices"][0]["text"]
     assert _poll(url, "running", 0) == 0 and engine.pending == 0
 

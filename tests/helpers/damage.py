@@ -15,7 +15,9 @@ from edgeq.io.mapped import MappedFiles
 SCALES = "model.layers.1.mlp.up_proj.scales_and_zeros"
 
 
-def _poke(directory: Path, name: str, fn) -> None:
+def poke(directory: Path, name: str, fn) -> None:
+    """Rewrite tensor ``name`` in place in its shard (the header and every other byte unchanged): ``fn`` edits a
+    copy of the tensor, which is written back at the same offset."""
     info = MappedFiles(directory).tensors[name]
     with open(info.file, "r+b") as f:
         f.seek(info.start)
@@ -42,9 +44,9 @@ def _unlist(manifest: dict, module: str) -> None:
 
 
 DAMAGE = {
-    "nan-scale": (lambda d: _poke(d, SCALES, lambda t: t.view(-1).__setitem__(0, float("nan"))),
+    "nan-scale": (lambda d: poke(d, SCALES, lambda t: t.view(-1).__setitem__(0, float("nan"))),
                   DamagedCheckpointError, rf"tensor {SCALES}: 1 NaN/Inf value"),
-    "negative-scale": (lambda d: _poke(d, SCALES, lambda t: t[0, 0].__setitem__(0, -t[0, 0, 0])),
+    "negative-scale": (lambda d: poke(d, SCALES, lambda t: t[0, 0].__setitem__(0, -t[0, 0, 0])),
                        DamagedCheckpointError, r"1 scale\(s\) zero or negative"),
     "head-dropped": (lambda d: _drop(d, "lm_head."), EdgeqError, r"lacks 2 tensors .*'lm_head.qweight'"),
     "up-proj-dropped": (lambda d: _drop(d, "model.layers.1.mlp.up_proj."), EdgeqError,
