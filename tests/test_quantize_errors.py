@@ -270,3 +270,23 @@ def test_weights_that_do_not_match_config_json_are_refused(tmp_path, capsys, src
 ])
 def test_empty_and_zero_option_values_are_refused_not_defaulted(tmp_path, capsys, src, args, pattern):
     expect_error(tmp_path, capsys, src, pattern, *args)
+
+
+def test_an_untied_head_that_is_missing_is_refused_not_made_from_the_table(tmp_path, capsys):
+    """config.json says the head is its own tensor and it is not there: the conversion made one from the embedding
+    table, exit 0, a checkpoint that is not the model the input describes (audit, 2026-12-05)."""
+    src = save_tiny("llama", tmp_path / "untied", tied=False)
+    _rewrite_weights(src, lambda t: t.pop("lm_head.weight"))
+    expect_error(tmp_path, capsys, src, "lm_head.weight: missing (the model needs it: config.json's "
+                                        "tie_word_embeddings is false)")
+
+
+def test_a_table_a_recipe_does_not_name_is_not_quantised_as_a_linear(tmp_path, capsys):
+    """A recipe whose embeddings name another tensor (Falcon's table under --recipe llama) quantised the table as a
+    projection, exit 0, and every loader refused the checkpoint."""
+    src = save_tiny("llama", tmp_path / "untied", tied=False)
+    recipe = tmp_path / "other.toml"
+    recipe.write_text('name = "other"\nmodel_types = ["llama"]\nhead = "lm_head.weight"\n'
+                      'embeddings = ["transformer.word_embeddings.weight"]\n')
+    expect_error(tmp_path, capsys, src, "model.embed_tokens.weight: quantised as a Linear, but its module in the "
+                                        "model config.json describes is Embedding", "--recipe", str(recipe))

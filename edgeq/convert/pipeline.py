@@ -50,6 +50,7 @@ from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
 from edgeq.io.skeleton import config_problems
 from edgeq.io.writer import prepare_output, say, staging
+from edgeq.keys import Action, Role
 from edgeq.quantize.rtn import METHODS
 from edgeq.scheme import Scheme
 
@@ -98,11 +99,12 @@ def resolve_source(src: str | Path) -> Path:
     return resolve_model(src)
 
 
-def _check_config(ckpt: Checkpoint, recipe: Recipe) -> None:
+def _check_config(ckpt: Checkpoint, recipe: Recipe, plan: Plan) -> None:
     """A float checkpoint whose tensors do not match its config.json is refused (the staging directory removed): the
     result would be a checkpoint that every loader refuses. Checked after the write, not before: the meta-device
     model imports transformers' modeling code (~110 MiB resident), which would raise the streaming's peak memory."""
-    problems = config_problems(ckpt.root, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head)
+    linears = [e.source for e in plan.entries if e.action == Action.QUANTIZE and e.role == Role.LINEAR]
+    problems = config_problems(ckpt.root, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head, linears)
     if problems:
         raise EdgeqError(f"{ckpt.root}: the weights do not match config.json ({len(problems)} problem(s): "
                          f"{'; '.join(problems[:3])}); the checkpoint is incomplete or its config.json belongs to "
@@ -230,7 +232,7 @@ def convert(
         with quantized(ckpt, plan, rec, tmp) as (ckpt, plan):  # gptqmodel: GPTQModel's output in tmp, ingested exactly
             stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
         if float_input is not None:
-            _check_config(float_input, rec)
+            _check_config(float_input, rec, plan)
     warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
     for w in warnings:
         say(f"warning: {w}")

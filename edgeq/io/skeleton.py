@@ -119,17 +119,26 @@ def quantized_bias(files, name: str, old: nn.Module) -> tuple[torch.Tensor | Non
     return bias, 0, bias.numel() * 2
 
 
-def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str) -> list[str]:
+def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str, linears=()) -> list[str]:
     """What a float checkpoint's tensors (``shapes``: name -> shape, from its headers) and the model its config.json
-    describes disagree on: tensors missing, of another shape, or not in the model. ``head`` may be absent (edgeq
-    quantises it from the embedding) and may be present although the config ties it. Cheap: a meta-device model."""
-    model = build_meta_model(load_config(directory), torch.bfloat16)
+    describes disagree on: tensors missing, of another shape, or not in the model; and a tensor quantised as a Linear
+    (``linears``: weight names) that is not a Linear's weight there (an embedding, GPT-2's transposed Conv1D).
+    ``head`` may be absent only where config.json ties it (edgeq quantises it from the embedding then), and may be
+    present although the config ties it. Cheap: a meta-device model."""
+    config = load_config(directory)
+    model = build_meta_model(config, torch.bfloat16)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     expected = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
     problems = [f"{n}: checkpoint shape {list(shapes[n])} but config.json implies {list(want)}"
                 for n, want in expected.items() if n in shapes and tuple(shapes[n]) != want]
-    problems += [f"{n}: missing (the model needs it)" for n in expected if n not in shapes and n != head]
+    problems += [f"{n}: missing (the model needs it" + (": config.json's tie_word_embeddings is false)" if n == head else ")")
+                 for n in expected if n not in shapes and (n != head or not tied)]
     problems += [f"{n}: not in the model config.json describes" for n in shapes
                  if n not in expected and n != head and not n.endswith(IGNORED_SUFFIXES)]
+    modules = dict(model.named_modules())
+    problems += [f"{n}: quantised as a Linear, but its module in the model config.json describes is "
+                 f"{type(modules.get(n.rpartition('.')[0])).__name__}" for n in linears
+                 if n in expected and not isinstance(modules.get(n.rpartition(".")[0]), nn.Linear)]
     return problems
 
 
