@@ -290,3 +290,13 @@ def test_a_table_a_recipe_does_not_name_is_not_quantised_as_a_linear(tmp_path, c
                       'embeddings = ["transformer.word_embeddings.weight"]\n')
     expect_error(tmp_path, capsys, src, "model.embed_tokens.weight: quantised as a Linear, but its module in the "
                                         "model config.json describes is Embedding", "--recipe", str(recipe))
+
+
+@pytest.mark.parametrize("line, key", [('keep_bf16 = "proj"', "keep_bf16"), ('embeddings = "model.embed_tokens.weight"', "embeddings"),
+                                       ('model_types = "llama"', "model_types")])
+def test_a_recipe_list_given_as_a_string_is_refused_not_split_into_characters(tmp_path, capsys, src, line, key):
+    """keep_bf16 = "proj" became the patterns p, r, o, j (every projection kept); embeddings as a string quantised the
+    table as a Linear (audit, 2026-12-05)."""
+    recipe = tmp_path / "str.toml"
+    recipe.write_text(f'name = "str"\n{line}\n' + ('' if key == "model_types" else 'model_types = ["llama"]\n'))
+    expect_error(tmp_path, capsys, src, f"str.toml: {key} must be a list of strings", "--recipe", str(recipe))

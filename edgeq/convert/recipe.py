@@ -20,6 +20,7 @@ that is not the table's level 0) the recipe's 2 means 1, while the flag is refus
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import dataclass
@@ -84,12 +85,12 @@ def load_recipe(path: Path) -> Recipe:
     try:
         recipe = Recipe(
             name=str(data["name"]),
-            model_types=tuple(data.get("model_types", [])),
+            model_types=_strings(path, data, "model_types", []),
             scheme=str(data.get("scheme", "w4a16-g128")),
             method=str(data.get("method", "rtn")),
             head=str(data.get("head", "lm_head.weight")),
-            embeddings=tuple(data.get("embeddings", ["model.embed_tokens.weight"])),
-            keep_bf16=tuple(data.get("keep_bf16", [])),
+            embeddings=_strings(path, data, "embeddings", ["model.embed_tokens.weight"]),
+            keep_bf16=_strings(path, data, "keep_bf16", []),
             notes=str(data.get("notes", "")),
             source=str(path),
             group_sizes=_group_sizes(path, data.get("group_sizes", {})),
@@ -108,6 +109,16 @@ def load_recipe(path: Path) -> Recipe:
     if hit:
         raise EdgeqError(f"{path}: keep_bf16 pattern {hit!r} matches the output head {recipe.head}; the head is always quantised")
     return recipe
+
+
+def _strings(path: Path, data: dict, key: str, default: list) -> tuple[str, ...]:
+    """A list-of-strings key: a lone string was split into its characters (``keep_bf16 = "proj"`` kept every
+    projection through the patterns p, r, o, j)."""
+    value = data.get(key, default)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise EdgeqError(f"{path}: {key} must be a list of strings, e.g. {key} = [{json.dumps(default[0] if default else 'x')}]; "
+                         f"got {type(value).__name__} {value!r}")
+    return tuple(value)
 
 
 def _group_sizes(path: Path, table) -> tuple[tuple[str, int], ...]:
