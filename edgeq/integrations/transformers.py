@@ -234,10 +234,10 @@ def _plain_torch():
 def swap_modules(model, directory: Path) -> EdgeqState:
     """Validate ``directory`` as edgeq's loader does and replace every quantised Linear of the (meta) ``model`` with
     edgeq's module over the mapped packed bytes, through the runtime's own swap (:func:`edgeq.runtime.swap.swap`)."""
-    from edgeq.io.manifest import read_json  # noqa: PLC0415
-    from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
     from edgeq import env  # noqa: PLC0415
     from edgeq.env import STRICT_LAYOUT  # noqa: PLC0415
+    from edgeq.io.manifest import read_json  # noqa: PLC0415
+    from edgeq.io.mapped import MappedFiles  # noqa: PLC0415
     from edgeq.runtime.preflight import preflight  # noqa: PLC0415
     from edgeq.runtime.qinfo import read_checkpoint  # noqa: PLC0415
     from edgeq.runtime.swap import swap  # noqa: PLC0415
@@ -252,7 +252,8 @@ def swap_modules(model, directory: Path) -> EdgeqState:
         files, counts = MappedFiles(directory), Counter()
         preflight(directory, files, info)  # load()'s refusals: transformers would fill a missing weight randomly
         try:
-            swapped = swap(model, files, info, counts, strict_layout=env.flag(STRICT_LAYOUT), stacklevel=2)  # warns at the hook
+            strict = env.flag(STRICT_LAYOUT)
+            swapped = swap(model, files, info, counts, strict_layout=strict, stacklevel=2)  # warns at the hook
         except EdgeqError as e:  # the refusal names the CLI's switch; here it is the environment variable
             raise EdgeqError(str(e).replace("--strict-layout", f"{STRICT_LAYOUT}=1")) from None
     return EdgeqState(path=directory, kernel=info.kernel, scheme=str(info.scheme), files=files, info=info,

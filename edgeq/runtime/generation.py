@@ -19,8 +19,7 @@ sequence (U+FFFD), is held back until it is decided.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
