@@ -10,6 +10,7 @@ from edgeq.errors import DamagedCheckpointError, EdgeqError
 from edgeq.io import skeleton
 from edgeq.io.mapped import MappedFiles
 from edgeq.runtime import embedding
+from edgeq.runtime.swap import config_mismatches
 
 SCALE_SUFFIXES = (".scales_and_zeros", ".scales")  # tinygemm W4A16 (bf16 scale and zero), amx_w4a8 (fp32 scales)
 
@@ -44,14 +45,8 @@ def check_complete(directory, files, info) -> None:
     missing = _packed_missing(files, (*info.quantized_modules, *embedding.level_modules(info)))
     skip = set(info.quantized_modules) | set(embedding.entries(info))
     model = skeleton.build_meta_model(skeleton.load_config(directory), torch.bfloat16)
-    wrong = []
-    for name, p in model.named_parameters():
-        if name.rpartition(".")[0] in skip:
-            continue
-        if name not in files:
-            missing.append(name)
-        elif tuple(files.tensors[name].shape) != tuple(p.shape):
-            wrong.append(f"{name}: checkpoint shape {list(files.tensors[name].shape)} but config.json implies {list(p.shape)}")
+    missing += [name for name, _ in model.named_parameters() if name.rpartition(".")[0] not in skip and name not in files]
+    wrong = config_mismatches(model, {n: tuple(t.shape) for n, t in files.tensors.items()}, {})  # load's shape check
     if missing:
         raise EdgeqError(f"{directory}: checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:4]}; it "
                          f"is incomplete or does not match config.json")
