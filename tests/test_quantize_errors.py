@@ -13,7 +13,7 @@ from edgeq.convert.pipeline import convert
 from edgeq.errors import EdgeqError
 from helpers.checkpoints import dir_digest
 from helpers.cli import run_cli
-from helpers.models import save_tiny
+from helpers.models import FAMILIES, save_tiny
 
 
 @pytest.fixture
@@ -300,3 +300,47 @@ def test_a_recipe_list_given_as_a_string_is_refused_not_split_into_characters(tm
     recipe = tmp_path / "str.toml"
     recipe.write_text(f'name = "str"\n{line}\n' + ('' if key == "model_types" else 'model_types = ["llama"]\n'))
     expect_error(tmp_path, capsys, src, f"str.toml: {key} must be a list of strings", "--recipe", str(recipe))
+
+
+def test_an_empty_recipe_name_is_refused_not_the_default(tmp_path, capsys, src):
+    """--recipe "" converted with the model's own recipe (audit, 2026-12-05)."""
+    expect_error(tmp_path, capsys, src, "--recipe '': names no recipe; available: gemma2, llama", "--recipe", "")
+
+
+def _plan(src, capsys, *extra) -> dict:
+    code, out, err = run_cli(["quantize", str(src), "--dry-run", "--json", *extra], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_bundled_recipes_match_their_families_names(tmp_path, capsys, family):
+    """Every pattern of a family's own recipe names tensors of that family (a warning here means a dead pattern)."""
+    assert _plan(save_tiny(family, tmp_path / family), capsys)["warnings"] == []
+
+
+def test_a_recipe_pattern_that_matches_nothing_is_said_not_silent(tmp_path, capsys, src):
+    """A typo in keep_bf16 quantised what the user meant to keep, exit 0 and not a word (audit, 2026-12-05)."""
+    recipe = tmp_path / "typo.toml"
+    recipe.write_text('name = "typo"\nmodel_types = ["llama"]\nkeep_bf16 = ["down_prj", "up_proj"]\n'
+                      "group_sizes = { 'q_prj' = 32, 'k_proj' = 64 }\n")
+    warned = [f"recipe typo ({recipe}): keep_bf16 pattern 'down_prj' matches no tensor of this checkpoint, so it "
+              "changes nothing; fix or remove it",
+              f"recipe typo ({recipe}): group_sizes pattern 'q_prj' matches no tensor of this checkpoint, so it "
+              "changes nothing; fix or remove it"]
+    assert _plan(src, capsys, "--recipe", str(recipe))["warnings"] == warned
+    # W4A8 keeps one group size per checkpoint: its group_sizes are ignored as documented, not warned about
+    assert _plan(src, capsys, "--recipe", str(recipe), "--scheme", "w4a8-g128")["warnings"] == warned[:1]
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q", "--recipe", str(recipe)], capsys)
+    assert code == 0, err
+    assert [line.removeprefix("warning: ") for line in err.splitlines() if line.startswith("warning: recipe")] == warned
+    man = json.loads((tmp_path / "out" / "edgeq_manifest.json").read_text())
+    assert sorted(man["modules_not_converted"]) == [f"model.layers.{i}.mlp.up_proj" for i in range(2)]  # the match still applies
+
+
+def test_the_quality_recipe_on_fused_projections_says_which_pattern_does_not_apply(tmp_path, capsys):
+    """The quality recipe's first-layer gate/up pattern names unfused projections; Phi-3 fuses them (and has no GPTQ
+    calibration: the recipe's groups with --method rtn)."""
+    warnings = _plan(save_tiny("phi3", tmp_path / "phi3"), capsys, "--recipe", "quality", "--method", "rtn",
+                     "--scheme", "w4a16-g128")["warnings"]  # the tiny model's K = 128
+    assert len(warnings) == 1 and "group_sizes pattern 'layers\\.0\\.mlp\\.(gate|up)_proj\\.weight$'" in warnings[0]

@@ -85,7 +85,7 @@ def quantize(
                        embeddings=embeddings, head_levels=head_levels)
     plan = prepared[1]
     if dry_run:
-        _dry_run(plan, as_json)
+        _dry_run(plan, prepared[2], as_json)
         return
     target = output or Path(f"{str(model).rstrip('/')}-{plan.scheme}")
     shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
@@ -122,16 +122,16 @@ def _suggest_quality(plan) -> None:
         err.print(_QUALITY_HINT, highlight=False, soft_wrap=True)
 
 
-def _dry_run(plan, as_json: bool) -> None:
+def _dry_run(plan, recipe, as_json: bool) -> None:
     """The plan (from headers only): a table and a summary, or one JSON document; an error after it when the plan
     cannot be written."""
     from edgeq.convert.embeddings import describe  # noqa: PLC0415
-    from edgeq.convert.plan import plan_rows  # noqa: PLC0415
+    from edgeq.convert.plan import plan_rows, recipe_warnings  # noqa: PLC0415
 
     rows = plan_rows(plan)
     summary = {"scheme": str(plan.scheme), "method": plan.method, "recipe": plan.recipe, "tied": plan.tied,
                "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "problems": list(plan.problems),
-               "embeddings": describe(plan)}
+               "embeddings": describe(plan), "warnings": recipe_warnings(plan, recipe)}
     if plan.source:
         summary["source"] = plan.source
     emit({"plan": rows, **summary}, as_json, lambda _: _render_plan(rows, summary))
@@ -198,6 +198,8 @@ def _render_plan(rows: list[dict], summary: dict) -> None:
     out.print(f"total: {mib(summary['bytes_in'])} -> {mib(summary['bytes_out'])} ({ratio:.2f}x); "
               f"head {'tied: quantised from the embedding, output untied' if summary['tied'] else 'quantised'}")
     out.print(summary_line(summary["embeddings"]), highlight=False)
+    for w in summary["warnings"]:
+        err.print(f"warning: {w}", highlight=False, soft_wrap=True, markup=False)
     for p in summary["problems"]:
         err.print(f"[red]cannot quantise: {p}[/red]")
 

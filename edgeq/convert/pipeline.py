@@ -39,7 +39,7 @@ from edgeq.convert.gptqmodel import gptqmodel_plan, quantized
 from edgeq.convert.ingest_config import read_gptq_config
 from edgeq.convert.ingest_gptq import build_gptq_plan
 from edgeq.convert.packers import packer
-from edgeq.convert.plan import Plan, build_plan
+from edgeq.convert.plan import Plan, build_plan, recipe_warnings
 from edgeq.convert.recipe import Recipe, find_recipe
 from edgeq.convert.records import copy_aux, manifest, notes, tokenizer_problem, write_config
 from edgeq.convert.stream import Progress, rss
@@ -233,7 +233,8 @@ def convert(
             stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
         if float_input is not None:
             _check_config(float_input, rec, plan)
-    warnings = [w for w in (tokenizer_problem(ckpt.root),) if w]  # after the write: an error stays the one stderr line
+    # after the write: an error stays the one stderr line
+    warnings = recipe_warnings(plan, rec) + [w for w in (tokenizer_problem(ckpt.root),) if w]
     for w in warnings:
         say(f"warning: {w}")
     errs = stats["errors"]

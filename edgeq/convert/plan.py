@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeq.convert.packers import packer
-from edgeq.convert.recipe import Recipe
+from edgeq.convert.recipe import Recipe, unmatched_patterns
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint
 from edgeq.io.safetensors import FLOAT_CODES
@@ -246,6 +246,13 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
     if not problems:
         assert_head_quantized(plan)  # assertion 1 of 3: at plan time
     return plan
+
+
+def recipe_warnings(plan: Plan, recipe: Recipe) -> list[str]:
+    """The recipe's patterns that change nothing in this plan (edgeq.convert.recipe.unmatched_patterns); group_sizes
+    count only where they apply: a layout taking G per module, on float input (GPTQ input keeps its own groups)."""
+    groups = packer(plan.scheme.kernel).per_module_groups and not plan.source
+    return unmatched_patterns(recipe, (e.name for e in plan.entries), groups)
 
 
 def tied_embedding(ckpt: Checkpoint, entries: list[PlanEntry], recipe: Recipe, also: str = "") -> PlanEntry:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,17 @@ class Recipe:
     def group_size(self, tensor_name: str, base: int) -> int:
         """The group size for this tensor: the first matching ``group_sizes`` entry, never coarser than ``base``."""
         return min(base, next((g for p, g in self.group_sizes if re.search(p, tensor_name)), base))
+
+
+def unmatched_patterns(recipe: Recipe, names: Iterable[str], groups_apply: bool) -> list[str]:
+    """One line per ``keep_bf16`` pattern (and ``group_sizes`` pattern, where ``groups_apply``: a layout that takes G
+    per module, float input) that matches none of ``names``, the planned tensor names. Such a pattern changes nothing
+    (a typo, or a recipe written for another family's names, e.g. the ``quality`` recipe's ``mlp.(gate|up)_proj`` on
+    Phi-3's fused ``mlp.gate_up_proj``), which the user should hear rather than find out from the output."""
+    names = list(names)
+    keys = [("keep_bf16", p) for p in recipe.keep_bf16] + [("group_sizes", p) for p, _ in recipe.group_sizes if groups_apply]
+    return [f"recipe {recipe.name} ({recipe.source}): {key} pattern '{p}' matches no tensor of this checkpoint, so it "
+            "changes nothing; fix or remove it" for key, p in keys if not any(re.search(p, n) for n in names)]
 
 
 def recipes_dir() -> Path:
@@ -160,7 +172,10 @@ def all_recipes() -> list[Recipe]:
 
 def find_recipe(name_or_file: str | None, model_type: str | None) -> Recipe:
     """``--recipe NAME|FILE``, or the recipe whose model_types contain the config's model_type."""
-    if name_or_file:
+    if name_or_file == "":  # Path("") is the working directory: it read as "cannot read recipe ."
+        raise EdgeqError(f"--recipe '': names no recipe; available: {', '.join(r.name for r in all_recipes())} "
+                         "(or a .toml file), or drop --recipe for the model's own")
+    if name_or_file is not None:
         p = Path(name_or_file)
         if p.suffix == ".toml" or p.exists():
             return load_recipe(p)
