@@ -147,5 +147,8 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked_for():
     shape = CompletionShape("m", True)
     r, deltas = run(Scripted(sp_tokenizer(), sp("▁can"), eos=2), sp("▁The"))
     chunks = [c for d in deltas if (c := shape.chunk(d)) is not None] + shape.final(r)
-    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1) and chunks[-1]["usage"]["total_tokens"] == 2
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1) and chunks[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}  # "▁can", EOS
     assert "usage" not in CompletionShape("m", False).chunk(deltas[0])
+    assert r.token_ids == sp("▁can") and r.eos_token == 2 and r.finish_reason == "stop"
+    r, _ = run(Scripted(sp_tokenizer(), sp("▁can"), eos=2), sp("▁The"), max_tokens=1)  # ended by the limit: no EOS
+    assert r.eos_token is None and CompletionShape("m", False).whole(r)["usage"]["completion_tokens"] == 1

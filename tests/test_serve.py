@@ -47,7 +47,8 @@ def test_completion_matches_the_library_and_streams_the_same(server, client):
     want = generate(lm, "Once upon a time", SamplingParams(max_tokens=12))
     r = client.completions.create(model="prose-chat", prompt="Once upon a time", max_tokens=12, temperature=0)
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
-    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.prompt_tokens
+    eos = want.eos_token is not None  # an EOS is generated, though it adds no text
+    assert r.usage.completion_tokens == len(want.token_ids) + eos and r.usage.prompt_tokens == want.prompt_tokens
     chunks = list(client.completions.create(model="prose-chat", prompt="Once upon a time", max_tokens=12,
                                             temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want.text
@@ -60,7 +61,8 @@ def test_chat_stream_logprobs_seed_and_stop(server, client):
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant" and text
     lps = r.choices[0].logprobs.content
-    assert len(lps) == r.usage.completion_tokens and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
+    # the EOS that may have ended it counts in usage, with no logprobs entry (it adds no text)
+    assert len(lps) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop") and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
     streamed = client.chat.completions.create(model="prose-chat", messages=msgs, max_tokens=10, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
     a, b = (client.chat.completions.create(model="prose-chat", messages=msgs, max_tokens=10, temperature=0.9, seed=7)

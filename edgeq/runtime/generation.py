@@ -88,6 +88,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     finish_reason: str = "length"  # "stop" (EOS or a stop string) | "length" | "cancelled"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    eos_token: int | None = None  # the EOS id that ended it: in neither token_ids nor text, yet generated (usage counts it)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -197,7 +198,7 @@ class Generation:
             f32 = logits.float() if p.temperature > 0 or p.logprobs is not None else None  # greedy needs no cast
             token = top if f32 is None or p.temperature == 0 else sample(f32, p, gen)
             if token in eos:
-                r.finish_reason = "stop"
+                r.finish_reason, r.eos_token = "stop", token
                 break
             r.token_ids.append(token)
             piece = detok.add(token)

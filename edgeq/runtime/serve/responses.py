@@ -10,8 +10,10 @@ from edgeq.runtime.generation import Delta, GenerationResult
 
 
 def usage(r: GenerationResult) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
-            "total_tokens": r.prompt_tokens + len(r.token_ids)}
+    """Token counts; the EOS that ended a generation counts as generated (OpenAI and vLLM count it) though it adds no
+    text and no logprobs entry."""
+    n = len(r.token_ids) + (r.eos_token is not None)
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": n, "total_tokens": r.prompt_tokens + n}
 
 
 def finish(r: GenerationResult) -> str:
