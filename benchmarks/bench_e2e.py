@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edgeq, whatever pip points at
 from synthetic import SHAPES, write  # noqa: E402
 
+from edgeq import cpu  # noqa: E402
 from edgeq.bench.conversion import run_convert  # noqa: E402
 from edgeq.bench.records import Arm, BenchConfig  # noqa: E402
 from edgeq.bench.render import fmt_stat, to_json  # noqa: E402
@@ -200,6 +201,9 @@ def markdown(results: list[tuple[str, dict, object]], args, machine: dict) -> st
     return "\n".join(lines)
 
 
+CRASHES: list[str] = []  # why llama.cpp's default mode could not run, printed before the tables
+
+
 def llama_repack_mode(gguf: Path, args, ctx: int) -> str:
     """"on" when llama.cpp runs here with its default repacked weights (one tiny untimed request in a worker), else
     why not ("forced by --llama-no-repack", or the crash); the caller then runs the no-repack mode and says so."""
@@ -210,8 +214,13 @@ def llama_repack_mode(gguf: Path, args, ctx: int) -> str:
     if probe.ok:
         return "on"
     why = str(probe.failures[0].get("error", probe.failures[0]))[:160]
+    if "amx_int8" in cpu.flags():  # the known cause on AMX CPUs: ggml's AMX path built by gcc 12
+        why += ("; on an AMX CPU with a gcc 12 build of llama.cpp this is gcc's _tile_loadconfig (docs/kernel.md, "
+                "\"llama.cpp's AMX path and gcc 12\"; docs/methodology.md has the build that runs)")
     log(f"llama.cpp with repacked weights failed here ({why}); running it without them, labelled in every table")
-    return f"repacked weights crashed here: {why}"
+    CRASHES.append(f"llama.cpp with its repacked weights crashed on {gguf.name} here: {why}. Its arm ran without them: "
+                   "a lower bound for llama.cpp, and no edgeq win is claimed from it.")
+    return "repacked weights crashed here, see above"
 
 
 def main() -> None:
@@ -270,6 +279,8 @@ def main() -> None:
         args.json.write_text(json.dumps([{"model": m, "report": json.loads(to_json(r))} for m, _, r in results], indent=1))
     if why_not:
         print(f"llama.cpp arm: skipped ({why_not}).\n")
+    for crash in CRASHES:
+        print(f"{crash}\n")
     print(markdown(results, args, machine))
 
 

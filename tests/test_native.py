@@ -424,3 +424,19 @@ def test_native_command(ready, capsys, fresh_state):
     fresh_state.setenv(native.ENV_ISA, "off")
     native_command()
     assert "not available (disabled by EDGEQ_NATIVE_ISA=off)" in capsys.readouterr().out
+
+
+def test_tile_configurations_are_loaded_through_a_whole_64_byte_operand():
+    """gcc 12's `_tile_loadconfig` names an 8-byte operand, so the optimiser may drop the stores of a configuration's
+    rows and bytes per row as dead: llama.cpp's AMX path built with gcc 12 faults that way on an AMX machine
+    (docs/kernel.md). Every AMX kernel loads its configuration through amx_os.h's load_tile_config, which names all
+    64 bytes."""
+    import re
+    from pathlib import Path
+
+    csrc = Path(native.__file__).resolve().parents[2] / "csrc"
+    code = {p.name: re.sub(r"//[^\n]*", "", p.read_text()) for p in sorted(csrc.glob("*.[ch]*"))}
+    assert [n for n, c in code.items() if "_tile_loadconfig" in c] == []
+    assert [n for n, c in code.items() if "load_tile_config(cfg)" in c] == ["int4mm_amx.cpp", "w4a8mm_amx.cpp"]
+    assert re.search(r'asm volatile\("ldtilecfg %0" : : "m"\(cfg\)\)', code["amx_os.h"])
+    assert "TileConfig" in code["amx_os.h"] and "alignas(64)" in code["amx_os.h"]

@@ -18,6 +18,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// ldtilecfg of all 64 bytes of `cfg`. Not `_tile_loadconfig`: gcc 12's header declares its operand as 8 bytes
+// (`"m" (*(const void **) p)`), so the optimiser may drop the stores to the other 56 (the rows and bytes per row) as
+// dead. llama.cpp's AMX path built with gcc 12 on an AMX machine loads a configuration whose rows were never stored
+// and faults (SIGSEGV in ggml_backend_amx_mul_mat; docs/kernel.md, "llama.cpp's AMX path and gcc 12"). Ours kept the
+// stores, by the optimiser's choice only; this operand names the whole object, so they cannot be dropped.
+static inline void load_tile_config(const TileConfig& cfg) { asm volatile("ldtilecfg %0" : : "m"(cfg)); }
+
 // CPUID.(7,0):EDX bit 24 AMX-TILE and `type_bit` (22 AMX-BF16, 25 AMX-INT8); then ask Linux for the tile data state
 // (process-wide; asking again is harmless).
 static inline bool amx_granted(int type_bit) {

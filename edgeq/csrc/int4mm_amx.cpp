@@ -115,7 +115,7 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
     for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(mt), cfg.colsb[t] = 64;  // C: mt x 16 fp32
     cfg.rows[4] = static_cast<uint8_t>(mt), cfg.colsb[4] = 64;                             // A: mt x 32 bf16
     for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;                      // B: 16 pairs x 16
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
     const uint16_t* x = a.x + m0 * K;
     for (int64_t g = 0; g < ng; ++g) {
       zero_c<NV>();
@@ -164,7 +164,7 @@ void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
   cfg.palette_id = 1;
   for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 fp32, A 16 x 32 bf16
   for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // B: 16 pairs x 16
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t st = 0; st < steps; ++st) decode_32k<S>(w + (g * G + 32 * st) * (S / 2), idx, bt[st]);
     __m512 c_dot[NV][2], c_sum[NV][2];

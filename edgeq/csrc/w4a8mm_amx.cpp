@@ -40,7 +40,7 @@ void configure(int mt0, int mt1, int kc) {
     cfg.rows[4 + i] = r, cfg.colsb[4 + i] = static_cast<uint16_t>(kc);                        // A: r x kc u8
   }
   for (int t = 6; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(kc / 4), cfg.colsb[t] = 64;  // B: kc/4 x 64 s8
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 template <bool TWO>
