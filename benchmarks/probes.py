@@ -3,7 +3,8 @@ explain where time or memory goes; the comparisons the project claims come from 
 
     python benchmarks/probes.py profile-prefill CKPT [--prompt 512]   # torch profiler over one prefill (docs/kernel.md,
                                                                       #   docs/runtime.md: silu/mul share, kernel share)
-    python benchmarks/probes.py shapes                                # native W4A16 vs bf16 GEMM per Qwen shape, M = 512
+    python benchmarks/probes.py shapes [--model llama] [--groups 32,128]  # native W4A16 vs bf16 GEMM per Qwen (Llama)
+                                                                      #   shape, M = --prompt (512), each group size
     python benchmarks/probes.py sdpa                                  # decode SDPA: enable_gqa vs GQA folded into q
     python benchmarks/probes.py embedding-rss CKPT [--cat]            # RssFile of 512 random embedding lookups
     python benchmarks/probes.py w4a8-scalar                           # native W4A8 scalar/vnni vs the portable path
@@ -77,14 +78,17 @@ def shapes(args) -> None:
     from edgeq.layouts import tinygemm
     from edgeq.runtime import native
 
-    lay, g, m = tinygemm.probe(), 128, 512
-    for n, k in [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)]:
+    lay, m = tinygemm.probe(), args.prompt
+    shapes_ = {"qwen": [(1536, 1536), (8960, 1536), (1536, 8960), (256, 1536)],
+               "llama": [(2048, 2048), (8192, 2048), (2048, 8192), (512, 2048)]}[args.model]
+    for n, k in shapes_:
         qw = tinygemm.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8), lay)
-        sz = torch.rand(k // g, n, 2).to(torch.bfloat16)
         x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
-        for name, f in [("native", lambda: native.int4_mm(x, qw, g, sz)), ("bf16", lambda: F.linear(x, w))]:
+        arms = [(f"native g{g}", lambda g=g, sz=torch.rand(k // g, n, 2).to(torch.bfloat16): native.int4_mm(x, qw, g, sz))
+                for g in map(int, args.groups.split(","))] + [("bf16 GEMM", lambda: F.linear(x, w))]
+        for name, f in arms:
             us = _median_us(f, 10)
-            print(f"{n} x {k}, M = {m}, {name}: {us / 1e3:.1f} ms, {2 * m * n * k / us / 1e3:.0f} GFLOPS")
+            print(f"{n} x {k}, M = {m}, {name}: {us / 1e3:.2f} ms, {2 * m * n * k / us / 1e3:.0f} GFLOPS", flush=True)
 
 
 def sdpa(args) -> None:
@@ -509,6 +513,8 @@ def main() -> None:
                     help="sample-rows: rows-per-batch caps, comma-separated ('default': as shipped)")
     ap.add_argument("--nsamples", type=int, default=128, help="sample-rows: windows")
     ap.add_argument("--seqlen", type=int, default=32, help="sample-rows: tokens per window")
+    ap.add_argument("--model", choices=["qwen", "llama"], default="qwen", help="shapes: Qwen2.5-1.5B or Llama-3.2-1B")
+    ap.add_argument("--groups", default="128", help="shapes: group sizes, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.probe in ("profile-prefill", "embedding-rss", "verify-cost", "pmd-map", "huge-pages", "token-bytes",

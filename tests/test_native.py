@@ -24,7 +24,8 @@ from edgeq import env
 from edgeq.cli.native import native_command
 from edgeq.runtime import native
 from edgeq.runtime.native import w4a16
-from helpers.native import excess, halves, make_layout, outlier_activations, problem, ready_or_skip
+from helpers.native import (dequantise_path, excess, folded, folded_bound, halves, make_layout, outlier_activations,
+                            problem, ready_or_skip)
 
 # (M, N, K, G): every M in 1..8 and a large M; N with 16/32/48-row tails past multiples of 64; every group size.
 CASES = [
@@ -81,9 +82,20 @@ def test_matches_aten_and_reference(ready, here, case):
     for isa, tiles in paths(ready):
         y = native.int4_mm(x, qw, g, sz, isa=isa, prefill=tiles)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        assert excess(y, ref, bound) <= 1.0, (isa, tiles)
-        # Same rounding as aten almost everywhere: a systematic slip (a wrong zero, an off-by-one nibble) moves many.
-        assert float((y != aten).double().mean()) <= 0.05, (isa, tiles)
+        check_close(y, isa, m, x, qw, g, sz, ref, bound, aten, 0.05)
+
+
+def check_close(y, isa, m, x, qw, g, sz, ref, bound, aten, share):
+    """Within the stated tolerance, and the same bf16 output as the path's own reference on all but ``share`` of the
+    outputs (a systematic slip, a wrong zero or an off-by-one nibble, moves many): aten for the exact paths; for the
+    AMX path's M > 16 kernel, which rounds each weight to bf16, the dequantise path (measured: 0-9% differ, the order
+    of the sums; 35-44% differ from aten, as the dequantise path itself does)."""
+    if folded(isa, m):
+        assert excess(y, ref, folded_bound(ref, bound)) <= 1.0
+        assert float((y != dequantise_path(x, qw, g, sz)).double().mean()) <= 0.15
+        return
+    assert excess(y, ref, bound) <= 1.0, isa
+    assert float((y != aten).double().mean()) <= share, isa
 
 
 @pytest.mark.parametrize(
@@ -107,8 +119,7 @@ def test_offset_encoding_within_tolerance_on_outlier_activations(ready, here):
         aten = tinygemm.mm(x, qw, 128, sz)
         for isa, tiles in paths(ready):
             y = native.int4_mm(x, qw, 128, sz, isa=isa, prefill=tiles)
-            assert excess(y, ref, bound) <= 1.0, (m, isa, tiles)
-            assert float((y != aten).double().mean()) <= 0.02, (m, isa, tiles)
+            check_close(y, isa, m, x, qw, 128, sz, ref, bound, aten, 0.02)
 
 
 def test_isa_paths_agree_closely(ready, here):
@@ -121,16 +132,21 @@ def test_isa_paths_agree_closely(ready, here):
 
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "scalar"])
 def test_prefill_rows_equal_decode_rows(ready, here, isa):
-    """Each path computes a row of a many-row call exactly as a call of up to 8 rows does: AMX rows are independent
-    (its M > 16 path decodes each group once, x padded to 16-row tiles), and the avx512 path's bf16 tiles run the
-    same 8- or 5-row tile for all groups before the next tile (its loop order for M > 8). A 37-row call equals its
-    rows computed 8 and 5 at a time, bit for bit."""
+    """Each path computes a row of a many-row call exactly as a smaller call on the same path does: AMX rows are
+    independent (tile rows; its M > 16 path rounds the weights to bf16 once per panel, x padded to 16-row tiles), so
+    a 37-row call equals its rows computed 17 and 20 at a time; the avx512 path's bf16 tiles run the same 8- or 5-row
+    tile for all groups before the next tile (its loop order for M > 8), so a 37-row call equals its rows computed 8
+    and 5 at a time; bit for bit."""
     if isa not in ready["cpu_isas"]:
         pytest.skip(f"no {isa} here")
     tiles = "bf16" if isa == "avx512" else None
     x, qw, sz, _, _ = problem(37, 256 + 64, 768, 128, seed=5, layout=here)
     big = native.int4_mm(x, qw, 128, sz, isa=isa, prefill=tiles)
-    parts = torch.cat([native.int4_mm(x[i : i + 8], qw, 128, sz, isa=isa, prefill=tiles) for i in range(0, 37, 8)])
+    if isa == "amx":  # M > 16 rounds the weights to bf16 (folded scales): its rows equal 17- and 20-row calls' rows
+        bounds = ((0, 17), (17, 37))
+    else:
+        bounds = [(i, min(i + 8, 37)) for i in range(0, 37, 8)]
+    parts = torch.cat([native.int4_mm(x[a:b], qw, 128, sz, isa=isa, prefill=tiles) for a, b in bounds])
     assert torch.equal(big, parts)
 
 
@@ -245,7 +261,8 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {tests!r})
-    from helpers.native import excess, halves, make_layout, outlier_activations, problem, ready_or_skip
+    from helpers.native import (dequantise_path, excess, folded, folded_bound, halves, make_layout, outlier_activations,
+                            problem, ready_or_skip)
     from edgeq.runtime import native
     out = {{"available": native.available(), "status": native.status(), "excess": 0.0}}
     layout = make_layout(64, halves(64))

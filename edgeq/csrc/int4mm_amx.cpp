@@ -12,7 +12,9 @@
 // released after it, so whatever else runs on the thread (oneDNN also uses AMX) finds the tiles as it expects.
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "amx_os.h"
 #include "int4mm.h"
@@ -146,46 +148,87 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
   store_bf16<S>(a, row0, ys);
 }
 
-// M > 16 (prefill): decode each group of the block once into B tiles and apply them to every 16-row chunk of x,
-// instead of decoding the block again for each chunk (M / 16 times). Requires x readable for ceil(M / 16) * 16 rows
-// (the caller pads it); rows >= M of the C tiles are computed and ignored. Same per-group scaling as above.
+// M > 16 (prefill): the scales folded into the weights. Each 32-k step of a panel of the block is decoded once into B
+// tiles of bf16 w = 16 s (1 + q/16) + (z - 24 s) = (q - 8) s + z, computed in fp32 and rounded once to bf16 (as the
+// dequantise path rounds its weights), and every 16-row chunk of x runs the panel's steps into its C tiles, which
+// reach ys once per panel. The per-group C store and scaling of the exact path above cost more than the multiplies
+// at prefill sizes (at G = 32: 4 tile products, then 4 stores and 64 fp32 updates of ys), so its throughput fell
+// with the group size; here it does not depend on it. Precision: each weight is rounded to bf16 (relative 2^-9),
+// so |y - ref| <= 2^-8 |ref| + 2^-9 sum_k |x w| (tests/test_native.py). Rows of x are independent (tile rows),
+// so a row's result does not depend on M. x must be readable for ceil(M / 16) * 16 rows (the caller pads it).
+constexpr int64_t kPanelSteps = 64;  // 2048 k a panel: 256 KB of B tiles at S = 64 (L2), a chunk's C kept that long
+
 template <int S>
-void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
+inline void decode_32k_folded(const uint8_t* w, const __m512i* idx, const __m512 (*c_dot)[2],
+                              const __m512 (*c_sum)[2], uint16_t (*bt)[2][16 * 32]) {
+  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // cvtne2ps_pbh(hi, lo) puts lo's 16 values in words 0-15 and hi's in 16-31; a k pair is (lo_j, hi_j) in dword j
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  for (int p = 0; p < 16; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
+    const __m512i r = load_pair<S>(w + p * S);
+    for (int v = 0; v < S / 32; ++v) {
+      const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
+      const __m512i dh[2] = {_mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA),
+                             _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA)};
+      for (int h = 0; h < 2; ++h) {  // bf16 pairs (1 + q/16) -> fp32 -> (q - 8) s + z -> bf16 pairs
+        const __m512 lo = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_slli_epi32(dh[h], 16)), c_sum[v][h]);
+        const __m512 hi = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_and_si512(dh[h], hi_mask)), c_sum[v][h]);
+        const __m512i packed = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_store_si512(bt[v][h] + p * 32, packed);
+      }
+    }
+  }
+}
+
+// A thread's buffer of B tiles for one panel (kPanelSteps x NV x 2 tiles of 1 KB), 64-byte aligned.
+inline uint16_t* panel_buffer(int64_t n) {
+  static thread_local std::vector<uint16_t> store;
+  if (static_cast<int64_t>(store.size()) < n + 32) store.resize(n + 32);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
+}
+
+template <int S>
+void block_folded_large_m(const Int4Args& a, int64_t row0, float* ys) {
   constexpr int NV = S / 32;
-  const int64_t M = a.M, K = a.K, G = a.G, ng = K / G, steps = G / 32;
+  using Step = uint16_t[NV][2][16 * 32];
+  const int64_t M = a.M, K = a.K, G = a.G;
   const uint8_t* w = a.qw + row0 * (K / 2);
   __m512i idx[NV];
   for (int v = 0; v < NV; ++v) idx[v] = pair_index(S / 2, v);
-  alignas(64) uint16_t bt[8][NV][2][16 * 32];  // one group (G <= 256: 8 steps of 32 k)
+  auto* bt = reinterpret_cast<Step*>(panel_buffer(kPanelSteps * NV * 2 * 16 * 32));
   alignas(64) float cbuf[NV][2][16 * 16];
   for (int64_t i = 0; i < M * S; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette_id = 1;
-  for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 fp32, A 16 x 32 bf16
-  for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // B: 16 pairs x 16
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 16 x 16 fp32, A 16 x 32 bf16, B 16 pairs x 16
   load_tile_config(cfg);
-  for (int64_t g = 0; g < ng; ++g) {
-    for (int64_t st = 0; st < steps; ++st) decode_32k<S>(w + (g * G + 32 * st) * (S / 2), idx, bt[st]);
-    __m512 c_dot[NV][2], c_sum[NV][2];
-    for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h) group_coeffs<S>(a, row0, g, v, h, &c_dot[v][h], &c_sum[v][h]);
+  __m512 c_dot[NV][2], c_sum[NV][2];
+  for (int64_t k0 = 0; k0 < K; k0 += 32 * kPanelSteps) {
+    const int64_t steps = (K - k0 < 32 * kPanelSteps ? K - k0 : 32 * kPanelSteps) / 32;
+    for (int64_t st = 0; st < steps; ++st) {
+      const int64_t k = k0 + 32 * st;
+      if (k % G == 0)
+        for (int v = 0; v < NV; ++v)
+          for (int h = 0; h < 2; ++h) group_coeffs<S>(a, row0, k / G, v, h, &c_dot[v][h], &c_sum[v][h]);
+      decode_32k_folded<S>(w + k * (S / 2), idx, c_dot, c_sum, bt[st]);
+    }
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int mt = static_cast<int>(M - m0 < 16 ? M - m0 : 16);
-      const uint16_t* x = a.x + m0 * K + g * G;
+      const uint16_t* x = a.x + m0 * K + k0;
       zero_c<NV>();
       for (int64_t st = 0; st < steps; ++st) tile_step<NV>(x + 32 * st, K, bt[st]);
       store_c<NV>(cbuf);
       for (int m = 0; m < mt; ++m) {
-        const __m512 xsum = _mm512_set1_ps(a.xs[(m0 + m) * ng + g]);
         float* yrow = ys + (m0 + m) * S;
         for (int v = 0; v < NV; ++v)
           for (int h = 0; h < 2; ++h) {
             float* yp = yrow + h * (S / 2) + 16 * v;
-            __m512 y = _mm512_loadu_ps(yp);
-            y = _mm512_fmadd_ps(c_dot[v][h], _mm512_load_ps(cbuf[v][h] + m * 16), y);
-            y = _mm512_fmadd_ps(c_sum[v][h], xsum, y);
-            _mm512_storeu_ps(yp, y);
+            _mm512_storeu_ps(yp, _mm512_add_ps(_mm512_loadu_ps(yp), _mm512_load_ps(cbuf[v][h] + m * 16)));
           }
       }
     }
@@ -198,9 +241,9 @@ void block_halves_large_m(const Int4Args& a, int64_t row0, float* ys) {
 
 bool block_amx(const Int4Args& a, int64_t row0, int s, int mode, float* ys) {
   if (mode != kHalves) return false;
-  if (a.M > 16 && a.G <= 256) {
-    if (s == 64) return block_halves_large_m<64>(a, row0, ys), true;
-    if (s == 32) return block_halves_large_m<32>(a, row0, ys), true;
+  if (a.M > 16) {
+    if (s == 64) return block_folded_large_m<64>(a, row0, ys), true;
+    if (s == 32) return block_folded_large_m<32>(a, row0, ys), true;
     return false;
   }
   if (s == 64) return block_halves<64>(a, row0, ys), true;

@@ -57,6 +57,27 @@ def excess(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> float:
     return float(((y.double() - ref).abs() / bound).max())
 
 
+def folded(isa: str | None, m: int) -> bool:
+    """Whether the native op takes the AMX path's M > 16 kernel, which rounds each dequantised weight to bf16 (the
+    dequantise path's precision, edgeq/csrc/int4mm_amx.cpp) instead of multiplying exact 1 + q/16 pairs."""
+    return isa == "amx" and m > 16
+
+
+def folded_bound(ref: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The tolerance of weights rounded to bf16: 2**-8 * |ref| + 2**-9 * A (A recovered from ``bound``), 1% slack
+    for the fp32 sums."""
+    a = (bound - 2.0**-8 * ref.abs()) * 2.0**14
+    return 2.0**-8 * ref.abs() + 2.0**-9 * a * 1.01
+
+
+def dequantise_path(x: torch.Tensor, qw: torch.Tensor, g: int, sz: torch.Tensor) -> torch.Tensor:
+    """y from the weights dequantised to bf16 (aten's op on the identity gives bf16(w).T) and an fp32 matmul: what
+    the folded AMX kernel computes, up to the order of its sums."""
+    k = x.shape[1]
+    wt = tinygemm.mm(torch.eye(k, dtype=torch.bfloat16), qw, g, sz)
+    return (x.float() @ wt.float()).to(torch.bfloat16)
+
+
 def ready_or_skip() -> dict:
     """The native library's status for a test module's ``ready`` fixture: skipped off x86-64, a failure (with the
     compiler's reason) where it should build but does not."""
