@@ -7,7 +7,9 @@ the head is rejected: the head is always quantised.
 ``group_sizes`` maps regexes of tensor names (``re.search``, first match wins) to a group size; a matching tensor is
 quantised with ``min(that, the scheme's group size)`` in the same tinygemm layout (the kernel takes G per call), so
 the scheme name keeps meaning the base group size and ``--scheme w4a16-g32`` still means g32 everywhere. W4A8
-schemes ignore it (one group size per checkpoint there).
+schemes ignore it (one group size per checkpoint there; a warning counts the tensors that lose their finer groups).
+A ``keep_bf16`` or ``group_sizes`` pattern that matches no tensor is said in a warning too
+(:func:`unmatched_patterns`).
 
 ``embeddings_storage`` (``"bf16"`` or ``"packed"``, default :data:`DEFAULT_EMBEDDINGS`) is how the input embedding
 table is written when ``--embeddings`` is not given (docs/format.md, "Packed embeddings"); a W4A8 scheme writes bf16
