@@ -429,3 +429,10 @@ def test_crossover_solve_meets_the_lines_and_checks_an_extrapolation():
     assert {m for _, m in calls} == {8, 64, 450, 900}
     # where the dequant path really wins at the extrapolated M, the line estimate stands
     assert crossover.solve(_linear_times((0.0, 0.012), (4.5, 0.002))) == 450
+    # lines meeting beyond HIGH are checked at HIGH: a kernel still faster there runs every prefill (AMX's folded
+    # prefill: HIGH sent 1024+ token prompts to a path 1.11x slower), one slower there keeps HIGH
+    calls = []
+    assert crossover.solve(_linear_times((0.0, 0.0100), (2.0, 0.0095), calls)) == crossover.NEVER
+    assert ("kernel", crossover.HIGH) in calls and ("dequant", crossover.HIGH) in calls
+    kernel = (lambda m: 0.010 * m if m < crossover.HIGH else 12.0, None)  # slower than its line at HIGH
+    assert crossover.solve(_linear_times(kernel, (2.0, 0.0095))) == crossover.HIGH

@@ -5,7 +5,8 @@ one dequantisation per call plus a bf16 GEMM that is cheap per row. Both are mod
 two timed sizes (median of 3 each), and the crossover is where the lines meet, clamped to [2, 1024]. A crossover
 beyond the larger timed size is an extrapolation, and the kernel's cost per row falls as M grows (it tiles x), so
 it is checked where it is claimed: both paths are timed at that M, and while the kernel still wins there M doubles
-(measured on a Zen 4, Qwen2.5-1.5B's 8960 x 1536: the lines met at 444, where the kernel was still faster). The result is
+(measured on a Zen 4, Qwen2.5-1.5B's 8960 x 1536: the lines met at 444, where the kernel was still faster); a kernel
+that still wins at 1024 runs every prefill (NEVER). The result is
 cached per machine and shape class in ``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``)/crossover.json, keyed by
 torch version, CPU capability, thread count, kernel path (for the native kernel: its build, ISA path and prefill
 tiles) and (N, K, G) of the probed layer.
@@ -47,8 +48,8 @@ def cache_capability() -> str:
     return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
-KEY_VERSION = "v4"  # v2: extrapolated crossovers are checked; v3: keyed by the native kernel's build, ISA and tiles;
-# v4: NEVER where the kernel wins per row and at M = 0 (v3 cached HIGH there)
+KEY_VERSION = "v5"  # v2: extrapolated crossovers are checked; v3: keyed by the native kernel's build, ISA and tiles;
+# v4: NEVER where the kernel wins per row and at M = 0 (v3 cached HIGH there); v5: NEVER where it still wins at HIGH
 
 
 def _kernel(path: str) -> str:
@@ -96,6 +97,10 @@ def solve(time_at) -> int:
     m = int(min(HIGH, max(LOW, round((da - ka) / (kb - db)))))
     while M_LARGE < m < HIGH and time_at("kernel", m) < time_at("dequant", m):
         m = min(HIGH, 2 * m)
+    if m == HIGH and time_at("kernel", HIGH) < time_at("dequant", HIGH):
+        # the kernel still wins at the largest M probed: HIGH would send long prompts to the slower path (AMX's
+        # folded prefill, 2026-12-05: the kernel 1.11x the dequantise path's speed on a 2048-token prompt)
+        return NEVER
     return m
 
 
