@@ -251,11 +251,11 @@ def build_plan(ckpt: Checkpoint, scheme: Scheme, method: str, recipe: Recipe) ->
 def recipe_warnings(plan: Plan, recipe: Recipe) -> list[str]:
     """The recipe's patterns that change nothing in this plan (edgeq.convert.recipe.unmatched_patterns); group_sizes
     count only where they apply: a layout taking G per module, on float input (GPTQ input keeps its own groups)."""
-    groups = packer(plan.scheme.kernel).per_module_groups and not plan.source
-    found = unmatched_patterns(recipe, (e.name for e in plan.entries), groups)
+    per_module, float_input = packer(plan.scheme.kernel).per_module_groups, not plan.source
+    found = unmatched_patterns(recipe, (e.name for e in plan.entries), per_module and float_input)
     base = plan.scheme.group_size
     finer = [e.name for e in plan.entries if e.quantized and recipe.group_size(e.name, base) < base]
-    if finer and not groups and not plan.source:  # a W4A8 scheme (--scheme auto may have picked it) drops them
+    if finer and float_input and not per_module:  # a W4A8 scheme (--scheme auto may have picked it) drops them
         found.append(f"recipe {recipe.name}'s group_sizes give {len(finer)} tensor(s) finer groups (e.g. {finer[0]}), "
                      f"which {plan.scheme} does not take (one group size per checkpoint): they are quantised at "
                      f"g{base}; a w4a16 scheme keeps them")
