@@ -66,7 +66,7 @@ def build(work: Path, shape: str, smoke: bool) -> tuple[Path, Path]:
         subprocess.run([sys.executable, "-m", "edgeq.cli", "quantize", str(hf), "-o", str(edgeq_dir), "--method", "minmax",
                         "--scheme", "w4a16-g128", "--recipe", str(uniform_recipe(hf, work))], check=True)
     if not gptq_dir.exists():
-        write_gptq(edgeq_dir, gptq_dir)
+        write_gptq(edgeq_dir, gptq_dir, hf)
     if not (edgeq_dir / "tokenizer.json").exists():
         write_tokenizer(edgeq_dir, int(read_json(hf / "config.json")["vocab_size"]))
     return edgeq_dir, gptq_dir
@@ -103,8 +103,11 @@ def _pack_words(v: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
 
 
-def write_gptq(edgeq_dir: Path, out: Path) -> None:
-    """The edgeq checkpoint's integers and scales as a symmetric 4-bit GPTQ checkpoint (v1 zeros: 8 - 1 = 7)."""
+def write_gptq(edgeq_dir: Path, out: Path, hf: Path) -> None:
+    """The edgeq checkpoint's integers and scales as a symmetric 4-bit GPTQ checkpoint (v1 zeros: 8 - 1 = 7). A packed
+    embedding table (edgeq's default since 2026-12-02) has no GPTQ form: the table is the float input's (``hf``), as a
+    GPTQ checkpoint keeps it."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     manifest = read_json(edgeq_dir / MANIFEST)
@@ -112,9 +115,15 @@ def write_gptq(edgeq_dir: Path, out: Path) -> None:
     g = int(manifest["scheme"].rsplit("g", 1)[1])
     files = MappedFiles(edgeq_dir)
     quantized = set(manifest["quantized_modules"])
+    packed = manifest.get("embeddings", {})
     tensors = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            tensors.update({e["source"]: st.get_tensor(e["source"]) for e in packed.values() if e["source"] in st.keys()})
     for name in files.names():
         module, _, suffix = name.rpartition(".")
+        if module in packed:
+            continue  # its table came from hf above
         if module in quantized and suffix == "qweight":
             qw, sz = files.get(name), files.get(f"{module}.scales_and_zeros")
             n, k = qw.shape[0], qw.shape[1] * 2
