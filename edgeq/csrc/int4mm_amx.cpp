@@ -27,17 +27,26 @@
 namespace edgeq {
 namespace {
 
+// One k pair (r: its bytes, load_pair) of the block's 16-row vector v (idx[v]): the bf16 pairs (1 + q/16) of the low
+// (h = 0) and high (h = 1) nibbles.
+inline void nibble_pairs(const __m512i r, const __m512i idx, __m512i (&dh)[2]) {
+  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, r);
+  dh[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA);
+  dh[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA);
+}
+
 // Decode 32 k (16 pairs) of the block into B tiles bt[v][h]: 16 rows of 16 (w_k, w_k+1) bf16 pairs each.
 template <int S>
 inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][16 * 32]) {
-  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
   for (int p = 0; p < 16; ++p) {
     _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
     const __m512i r = load_pair<S>(w + p * S);
     for (int v = 0; v < S / 32; ++v) {
-      const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
-      _mm512_store_si512(bt[v][0] + p * 32, _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA));
-      _mm512_store_si512(bt[v][1] + p * 32, _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA));
+      __m512i dh[2];
+      nibble_pairs(r, idx[v], dh);
+      _mm512_store_si512(bt[v][0] + p * 32, dh[0]);
+      _mm512_store_si512(bt[v][1] + p * 32, dh[1]);
     }
   }
 }
@@ -161,7 +170,6 @@ constexpr int64_t kPanelSteps = 64;  // 2048 k a panel: 256 KB of B tiles at S =
 template <int S>
 inline void decode_32k_folded(const uint8_t* w, const __m512i* idx, const __m512 (*c_dot)[2],
                               const __m512 (*c_sum)[2], uint16_t (*bt)[2][16 * 32]) {
-  const __m512i m78 = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // cvtne2ps_pbh(hi, lo) puts lo's 16 values in words 0-15 and hi's in 16-31; a k pair is (lo_j, hi_j) in dword j
   alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -171,9 +179,8 @@ inline void decode_32k_folded(const uint8_t* w, const __m512i* idx, const __m512
     _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
     const __m512i r = load_pair<S>(w + p * S);
     for (int v = 0; v < S / 32; ++v) {
-      const __m512i d = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx[v], r);
-      const __m512i dh[2] = {_mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, one, 0xEA),
-                             _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA)};
+      __m512i dh[2];
+      nibble_pairs(r, idx[v], dh);
       for (int h = 0; h < 2; ++h) {  // bf16 pairs (1 + q/16) -> fp32 -> (q - 8) s + z -> bf16 pairs
         const __m512 lo = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_slli_epi32(dh[h], 16)), c_sum[v][h]);
         const __m512 hi = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_and_si512(dh[h], hi_mask)), c_sum[v][h]);
