@@ -153,10 +153,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
   // Blocks the AMX path and the avx2 tiles do not take (adjacent mode, odd tails) fall back to the scalar path, which
   // reads xf; so do all blocks of the other paths.
   const bool need_xf = !(amx_large || wide) || N % block_n != 0 || full_mode != 0;
-  std::vector<float> xf(need_xf ? M * K : 0), xt(wide ? M * K : 0), xs(M * ng);
+  // The AMX path for M > 16 folds the scales into its weight tiles and reads no group sums either: when it takes
+  // every block, this pass over x is skipped.
+  const bool need_xs = !amx_large || need_xf;
+  std::vector<float> xf(need_xf ? M * K : 0), xt(wide ? M * K : 0), xs(need_xs ? M * ng : 0);
   const uint16_t* xb = edgeq_bits::in(xc);
   const int64_t rows = wide ? edgeq::kWideTile : 16;  // a task's rows: whole tiles, so no two tasks share one
-  at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
+  if (need_xs) at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t * rows, mt = std::min<int64_t>(rows, M - m0);
       for (int64_t m = m0; m < m0 + mt; ++m)
