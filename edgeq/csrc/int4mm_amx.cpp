@@ -36,19 +36,24 @@ inline void nibble_pairs(const __m512i r, const __m512i idx, __m512i (&dh)[2]) {
   dh[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, one, 0xEA);
 }
 
-// Decode 32 k (16 pairs) of the block into B tiles bt[v][h]: 16 rows of 16 (w_k, w_k+1) bf16 pairs each.
-template <int S>
-inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][16 * 32]) {
+// Decode 32 k (16 pairs) of the block into B tiles bt[v][h]: 16 rows of 16 (w_k, w_k+1) bf16 pairs each, the
+// pairs (1 + q/16) as they are, or as `pairs(v, h, d)` turns them (the folded path below: into weights).
+template <int S, class Pairs>
+inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][16 * 32], Pairs pairs) {
   for (int p = 0; p < 16; ++p) {
     _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
     const __m512i r = load_pair<S>(w + p * S);
     for (int v = 0; v < S / 32; ++v) {
       __m512i dh[2];
       nibble_pairs(r, idx[v], dh);
-      _mm512_store_si512(bt[v][0] + p * 32, dh[0]);
-      _mm512_store_si512(bt[v][1] + p * 32, dh[1]);
+      for (int h = 0; h < 2; ++h) _mm512_store_si512(bt[v][h] + p * 32, pairs(v, h, dh[h]));
     }
   }
+}
+
+template <int S>
+inline void decode_32k(const uint8_t* w, const __m512i* idx, uint16_t (*bt)[2][16 * 32]) {
+  decode_32k<S>(w, idx, bt, [](int, int, __m512i d) { return d; });
 }
 
 // Tiles 0-3: C (v, h); 4: A; 5-7: B. One 32-k step: A = 16 (or fewer) rows of x, B = the decoded pairs b[v][h].
@@ -167,6 +172,7 @@ void block_halves(const Int4Args& a, int64_t row0, float* ys) {
 // so a row's result does not depend on M. x must be readable for ceil(M / 16) * 16 rows (the caller pads it).
 constexpr int64_t kPanelSteps = 64;  // 2048 k a panel: 256 KB of B tiles at S = 64 (L2), a chunk's C kept that long
 
+// The pairs (1 + q/16) of C tile (v, h)'s 16 rows -> fp32 -> (q - 8) s + z (c_dot, c_sum: group_coeffs) -> bf16 pairs.
 template <int S>
 inline void decode_32k_folded(const uint8_t* w, const __m512i* idx, const __m512 (*c_dot)[2],
                               const __m512 (*c_sum)[2], uint16_t (*bt)[2][16 * 32]) {
@@ -174,21 +180,12 @@ inline void decode_32k_folded(const uint8_t* w, const __m512i* idx, const __m512
   // cvtne2ps_pbh(hi, lo) puts lo's 16 values in words 0-15 and hi's in 16-31; a k pair is (lo_j, hi_j) in dword j
   alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pairs = _mm512_load_si512(kPairs);
-  for (int p = 0; p < 16; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + p * S + kPrefetchBytes), _MM_HINT_T0);
-    const __m512i r = load_pair<S>(w + p * S);
-    for (int v = 0; v < S / 32; ++v) {
-      __m512i dh[2];
-      nibble_pairs(r, idx[v], dh);
-      for (int h = 0; h < 2; ++h) {  // bf16 pairs (1 + q/16) -> fp32 -> (q - 8) s + z -> bf16 pairs
-        const __m512 lo = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_slli_epi32(dh[h], 16)), c_sum[v][h]);
-        const __m512 hi = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_and_si512(dh[h], hi_mask)), c_sum[v][h]);
-        const __m512i packed = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        _mm512_store_si512(bt[v][h] + p * 32, packed);
-      }
-    }
-  }
+  const __m512i order = _mm512_load_si512(kPairs);
+  decode_32k<S>(w, idx, bt, [&](int v, int h, __m512i d) {
+    const __m512 lo = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_slli_epi32(d, 16)), c_sum[v][h]);
+    const __m512 hi = _mm512_fmadd_ps(c_dot[v][h], _mm512_castsi512_ps(_mm512_and_si512(d, hi_mask)), c_sum[v][h]);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  });
 }
 
 // A thread's buffer of B tiles for one panel (kPanelSteps x NV x 2 tiles of 1 KB), 64-byte aligned.
