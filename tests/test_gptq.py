@@ -267,6 +267,30 @@ def test_cross_term_accumulates_and_pairs_inputs():
         HessianAccumulator(6, name="m").cross()
 
 
+def test_bf16_inputs_round_the_correction_not_the_hessian():
+    """For bf16 inputs the cross term's difference from H, ``2/n X~^T (X - X~)`` (and its output form with W), comes
+    from bf16 GEMMs: within a few 2^-9 roundings of the *correction* (fp64 reference on the same bf16 values), while
+    H stays fp32-exact; a correction 1% the size of H would be lost entirely if C itself were rounded to bf16."""
+    g = torch.Generator().manual_seed(7)
+    k, n, t = 64, 8, 384
+    xf = (torch.randn(t, k, generator=g) @ torch.randn(k, k, generator=g) / k**0.5).to(torch.bfloat16)
+    xq = (xf.float() + 0.01 * torch.randn(t, k, generator=g)).to(torch.bfloat16)  # inputs 1% off the float ones
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+    full, out = HessianAccumulator(k, "m", cross=True), HessianAccumulator(k, "m", cross=True, weight=w)
+    for sl in (slice(0, 128), slice(128, t)):
+        full.add(xq[sl], xf[sl])
+        out.add(xq[sl], xf[sl])
+    q, f = xq.double(), xf.double()
+    h_ref, d_ref = 2 / t * q.t() @ q, 2 / t * q.t() @ (f - q)
+    r_ref = d_ref @ w.double().t()
+    H = full.hessian()
+    assert float((H.double() - h_ref).abs().max()) < 1e-6 * float(h_ref.abs().max())
+    d = full.cross().double() - H.double()
+    assert float((d - d_ref).abs().max()) < 1e-2 * float(d_ref.abs().max())
+    assert float((d - d_ref).abs().max()) > 1e-5 * float(d_ref.abs().max())  # it did take the bf16 GEMM
+    assert float((out.cross().double() - r_ref).abs().max()) < 1e-2 * float(r_ref.abs().max())
+
+
 def test_asymmetric_shift_worked_example_and_least_squares():
     """The docstring's K = 1 example (X~ = 0.9 X: V = 10/9 W); C = H gives S = 0 exactly; and with a tiny ridge V is
     the least-squares fit of the float outputs X W^T from the quantised inputs X~ (torch.linalg.lstsq)."""

@@ -188,10 +188,12 @@ def test_float_target_is_gptq_where_the_inputs_agree(windows):
         next(gptq_model(MODEL, windows[:2], scheme, target="exact"))
 
 
-def test_down_proj_takes_the_float_target_from_the_output_form(windows, monkeypatch):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1.5e-2)])
+def test_down_proj_takes_the_float_target_from_the_output_form(windows, monkeypatch, dtype, tol):
     """Where 2 N < K (down_proj: K = 768, N = 256 here) the float target comes from the cross term's output form
     (target_delta), elsewhere from the [K, K] cross term; the target layer 0's down_proj is quantised to is the
-    same either way to fp32 rounding (everything before it is computed alike in both runs), q_proj's bit for bit."""
+    same either way (everything before it is computed alike in both runs), q_proj's bit for bit: to fp32 rounding in
+    fp32, and in bf16 to the few 2^-9 roundings of the correction its bf16 GEMMs make (measured 0.6%)."""
     import edgeq.convert.calibrate as drv
     from safetensors.torch import load_file
 
@@ -208,15 +210,15 @@ def test_down_proj_takes_the_float_target_from_the_output_form(windows, monkeypa
     monkeypatch.setattr(drv, "gptq_quantize", record)
     monkeypatch.setattr(drv, "target_delta", delta)
     scheme = Scheme.parse("w4a16-g128")
-    list(gptq_model(MODEL, windows[:2], scheme, target="float"))
+    list(gptq_model(MODEL, windows[:2], scheme, target="float", compute_dtype=dtype))
     assert solved == [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
     out_form, seen = seen, {}
     monkeypatch.setattr(drv, "_output_form_weight", lambda *a: None)
-    list(gptq_model(MODEL, windows[:2], scheme, target="float"))
+    list(gptq_model(MODEL, windows[:2], scheme, target="float", compute_dtype=dtype))
     assert len(solved) == 4  # the [K, K] cross term everywhere this time
     down, q = "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"
     w = load_file(MODEL / "model.safetensors")[down + ".weight"].float()
-    assert rel(out_form[down] - w, seen[down] - w) < 1e-4
+    assert rel(out_form[down] - w, seen[down] - w) < tol
     assert float((seen[down] - w).abs().max()) > 1e-3 * float(w.abs().max())  # a real correction, not zero
     assert torch.equal(out_form[q], seen[q])
 

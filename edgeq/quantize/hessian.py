@@ -23,7 +23,8 @@ class HessianAccumulator:
 
     Only the upper triangle is accumulated (:func:`_add_gram`: row panels of ``max(256, K // 8)``, about 56% of
     the full product's flops) and mirrored once when :meth:`hessian` is first read, so H is exactly symmetric. The
-    cross term (``cross=True``) has no symmetry and is a full product, 2 n K^2 flops; given the float weights W
+    cross term (``cross=True``) has no symmetry and is a full product, 2 n K^2 flops, accumulated as its difference
+    from H, ``X~^T (X - X~)`` (in bf16 GEMMs for bf16 inputs: :meth:`_correction`); given the float weights W
     [N, K] of the Linears that read this input it is kept in its output form ``X~^T (X - X~) W^T`` [K, N] instead,
     4 n K N flops, fewer where 2 N < K (down_proj: K = 8192, N = 2048 on Llama-3.2-1B).
     """
@@ -38,6 +39,7 @@ class HessianAccumulator:
             raise EdgeqError(f"{self.name}: an output-side cross term needs cross=True and a weight [N, {self.k}], "
                              f"got {list(weight.shape)}")
         self._weight = None if weight is None else weight.detach().to(torch.float32)
+        self._weight_by_dtype: dict[torch.dtype, torch.Tensor] = {}
         width = self.k if weight is None else weight.shape[0]
         self._cross = torch.zeros(self.k, width, dtype=torch.float32) if cross else None
 
@@ -49,17 +51,30 @@ class HessianAccumulator:
         if (x_float is None) != (self._cross is None) or (x_float is not None and x_float.shape != x.shape):
             raise EdgeqError(f"{self.name}: the float inputs {None if x_float is None else list(x_float.shape)} do not "
                              f"pair with the inputs {list(x.shape)}")
-        x2 = x.detach().reshape(-1, self.k).to(torch.float32)
-        if x2.shape[0]:
+        xq = x.detach().reshape(-1, self.k)
+        if xq.shape[0]:
             if self._mirrored:
                 raise EdgeqError(f"{self.name}: tokens added after the Hessian was read")
-            _add_gram(self._sum, x2)
+            _add_gram(self._sum, xq.to(torch.float32))
             if self._cross is not None:
-                xf = x_float.detach().reshape(-1, self.k)
-                if self._weight is not None:  # the output form: X~^T ((X - X~) W^T); bf16 - fp32 widens exactly
-                    xf = (xf - x2) @ self._weight.t()
-                self._cross.addmm_(x2.t(), xf.to(torch.float32))
-            self.n += x2.shape[0]
+                self._cross.add_(self._correction(xq, x_float.detach().reshape(-1, self.k)))
+            self.n += xq.shape[0]
+
+    def _correction(self, xq: torch.Tensor, xf: torch.Tensor) -> torch.Tensor:
+        """One batch's ``X~^T (X - X~)`` [K, K], or with the weight ``X~^T ((X - X~) W^T)`` [K, N], fp32.
+
+        Bf16 inputs (the driver's compute dtype on CPUs with bf16 dot products) take bf16 GEMMs: each result is
+        rounded to bf16 once per batch, a relative error of 2^-9 of the *correction* (which the sampled tokens
+        know far less precisely), never of H; the batches add up in fp32. The difference of two bf16 values is
+        exact in fp32, then rounded to bf16 once. On AMX the GEMM is 3-4x the fp32 one's speed at K = 2048..8192
+        (docs/gptq.md, "The cross term in bf16"). Other dtypes compute in fp32."""
+        dt = torch.bfloat16 if xq.dtype == torch.bfloat16 else torch.float32
+        d = (xf.to(torch.float32) - xq.to(torch.float32)).to(dt)
+        if self._weight is not None:
+            if self._weight_by_dtype.get(dt) is None:
+                self._weight_by_dtype[dt] = self._weight.to(dt).t()
+            d = d @ self._weight_by_dtype[dt]
+        return (xq.to(dt).t() @ d).to(torch.float32)
 
     def _check_tokens(self) -> None:
         if self.n == 0:
@@ -74,12 +89,14 @@ class HessianAccumulator:
         return self._sum * (2.0 / self.n)
 
     def cross(self) -> torch.Tensor:
-        """float32 [K, K] ``2/n * sum x x_float^T``: the cross term of :func:`asymmetric_shift`; made with ``weight``
-        (W fp32 [N, K]), float32 [K, N] ``2/n * sum x (x_float - x)^T W^T``, the output form of :func:`target_delta`."""
+        """float32 [K, K] ``2/n * sum x x_float^T``: the cross term of :func:`asymmetric_shift` (kept as H plus the
+        accumulated ``2/n sum x (x_float - x)^T``); made with ``weight`` (W fp32 [N, K]), float32 [K, N]
+        ``2/n * sum x (x_float - x)^T W^T``, the output form of :func:`target_delta`."""
         if self._cross is None:
             raise EdgeqError(f"{self.name}: this accumulator was made without cross=True")
         self._check_tokens()
-        return self._cross * (2.0 / self.n)
+        r = self._cross * (2.0 / self.n)
+        return r if self._weight is not None else r.add_(self.hessian())
 
 
 def _panel(k: int) -> int:
