@@ -77,13 +77,20 @@ def test_the_head_is_checked_under_the_recipes_name(tmp_path):
         replace(plan, entries=entries).check()
 
 
-def test_a_tied_head_is_written_under_the_recipes_name_and_the_loader_names_a_missing_module(tmp_path):
-    """A tied Llama with a recipe calling its head ``output``: the head is quantised from the embedding and written
-    as ``output.*``; the runtime loads a head only where the architecture has that module (a Llama has
-    ``lm_head``), and says so."""
+def test_a_head_the_architecture_lacks_is_refused_by_the_converter_and_by_the_loader(tmp_path, monkeypatch):
+    """A tied Llama with a recipe calling its head ``output``: the converter refuses it (a Llama's head is ``lm_head``;
+    before, it wrote ``output.*`` and exit 0, and every loader refused the result), leaving nothing; and the runtime's
+    own check, for such a checkpoint written anyway (the converter's check patched out), names the missing module."""
+    import edgeq.convert.pipeline as pipeline
+
     src, out, recipe = tmp_path / "src", tmp_path / "out", tmp_path / "llama-output.toml"
     save_tiny("llama", src, tied=True)
     recipe.write_text('name = "llama-output"\nmodel_types = ["llama"]\nhead = "output.weight"\n')
+    with pytest.raises(EdgeqError, match=r"head = 'output.weight', but the output head of the model .*config.json "
+                                         r"describes is 'lm_head.weight'; set the recipe's head to it"):
+        convert(src, out, recipe=str(recipe))
+    assert not out.exists()
+    monkeypatch.setattr(pipeline, "output_head", lambda directory: None)
     convert(src, out, recipe=str(recipe))
     man = json.loads((out / "edgeq_manifest.json").read_text())
     assert man["head"] == {"name": "output", "quantized": True, "source": "model.embed_tokens.weight", "untied": True}

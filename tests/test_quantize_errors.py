@@ -292,6 +292,35 @@ def test_a_table_a_recipe_does_not_name_is_not_quantised_as_a_linear(tmp_path, c
                                         "model config.json describes is Embedding", "--recipe", str(recipe))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_recipe_head_the_model_does_not_have_is_refused(tmp_path, capsys, tied):
+    """A recipe whose head names no module of the architecture (``model.output.weight`` for a Llama, whose head is
+    ``lm_head``) wrote the head under that name, exit 0, and every loader refused the checkpoint ("manifest lists
+    quantised module model.output but the model built from config.json has no such module")."""
+    src = save_tiny("llama", tmp_path / "src", tied=tied)
+    recipe = tmp_path / "head.toml"
+    recipe.write_text('name = "head"\nmodel_types = ["llama"]\nhead = "model.output.weight"\n'
+                      'embeddings = ["model.embed_tokens.weight"]\n')
+    err = expect_error(tmp_path, capsys, src, f"head = 'model.output.weight', but the output head of the model "
+                                              f"{src}/config.json describes is 'lm_head.weight'; set the recipe's head "
+                                              f"to it", "--recipe", str(recipe))
+    assert err.startswith(f"error: recipe head ({recipe}): "), err
+
+
+def test_a_calibrated_conversion_checks_config_json_before_calibrating(tmp_path, capsys, src, monkeypatch):
+    """--method gptq runs for minutes to hours: a checkpoint that does not match its config.json is refused before
+    the calibration starts (rtn checks after its short write, to keep transformers' modeling code out of its peak)."""
+    import edgeq.convert.pipeline as pipeline
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated before the config check")
+
+    monkeypatch.setattr(pipeline, "calibration", no_calibration)
+    _rewrite_weights(src, lambda t: t.update({"stray.bias": torch.zeros(4)}))
+    expect_error(tmp_path, capsys, src, "(1 problem(s): stray.bias: not in the model config.json describes)",
+                 "--method", "gptq", "--calib", "self")
+
+
 @pytest.mark.parametrize("line, key", [('keep_bf16 = "proj"', "keep_bf16"), ('embeddings = "model.embed_tokens.weight"', "embeddings"),
                                        ('model_types = "llama"', "model_types")])
 def test_a_recipe_list_given_as_a_string_is_refused_not_split_into_characters(tmp_path, capsys, src, line, key):

@@ -48,7 +48,7 @@ from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
-from edgeq.io.skeleton import config_problems
+from edgeq.io.skeleton import config_problems, output_head
 from edgeq.io.writer import prepare_output, say, staging
 from edgeq.keys import Action, Role
 from edgeq.quantize.rtn import METHODS
@@ -101,8 +101,14 @@ def resolve_source(src: str | Path) -> Path:
 
 def _check_config(ckpt: Checkpoint, recipe: Recipe, plan: Plan) -> None:
     """A float checkpoint whose tensors do not match its config.json is refused (the staging directory removed): the
-    result would be a checkpoint that every loader refuses. Checked after the write, not before: the meta-device
-    model imports transformers' modeling code (~110 MiB resident), which would raise the streaming's peak memory."""
+    result would be a checkpoint that every loader refuses. For `rtn` checked after the write, not before: the
+    meta-device model imports transformers' modeling code (~110 MiB resident), which would raise the streaming's peak
+    memory, and the write takes ~2 minutes for a 1B model. Calibrated methods import that code anyway and run for
+    minutes to hours (`--recipe quality --calib self`: 15-30 min for a 1B model on 2 cores): checked before them."""
+    actual = output_head(ckpt.root)
+    if actual is not None and actual != recipe.head:  # written under another name, no loader would find the head
+        raise EdgeqError(f"recipe {recipe.name} ({recipe.source}): head = {recipe.head!r}, but the output head of the "
+                         f"model {ckpt.root}/config.json describes is {actual!r}; set the recipe's head to it")
     linears = [e.source for e in plan.entries if e.action == Action.QUANTIZE and e.role == Role.LINEAR]
     problems = config_problems(ckpt.root, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head, linears)
     if problems:
@@ -226,12 +232,15 @@ def convert(
     out = Path(out).resolve()
     prepare_output(out, _inputs(ckpt, plan))
     _check_output(out, force, plan.bytes_out)
-    windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     float_input = ckpt if not plan.source else None  # GPTQ input: its config describes another layout
+    early = float_input is not None and plan.method in ("gptq", GPTQMODEL)
+    if early:  # a calibrated conversion runs for minutes to hours and imports the modeling code anyway
+        _check_config(float_input, rec, plan)
+    windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced
         with quantized(ckpt, plan, rec, tmp) as (ckpt, plan):  # gptqmodel: GPTQModel's output in tmp, ingested exactly
             stats, digests = _write(ckpt, plan, layout, tmp, Progress(progress), max_shard_bytes, windows, calib)
-        if float_input is not None:
+        if float_input is not None and not early:
             _check_config(float_input, rec, plan)
     # after the write: an error stays the one stderr line
     warnings = recipe_warnings(plan, rec) + [w for w in (tokenizer_problem(ckpt.root),) if w]

@@ -142,6 +142,14 @@ def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str, li
     return problems
 
 
+def output_head(directory) -> str | None:
+    """The weight name of the output head of the model ``directory``'s config.json describes (``lm_head.weight``
+    for the Llama family), from a meta-device model; None where the class has none."""
+    model = build_meta_model(load_config(directory), torch.bfloat16)
+    out = model.get_output_embeddings()
+    return next((f"{n}.weight" for n, m in model.named_modules() if m is out), None) if out is not None else None
+
+
 def attach(model: nn.Module, files, dtype: torch.dtype, skip: set[str], tie_head: bool) -> dict:
     """Replace every meta parameter/buffer by the mapped tensor of the same name.
 
