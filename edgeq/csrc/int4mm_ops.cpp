@@ -159,7 +159,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qweight, int64_t group
   std::vector<float> xf(need_xf ? M * K : 0), xt(wide ? M * K : 0), xs(need_xs ? M * ng : 0);
   const uint16_t* xb = edgeq_bits::in(xc);
   const int64_t rows = wide ? edgeq::kWideTile : 16;  // a task's rows: whole tiles, so no two tasks share one
-  if (need_xs) at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
+  // One task (decode: M <= 16) runs on this thread: a region for it forks and joins the team for nothing.
+  const int64_t tasks = (M + rows - 1) / rows;
+  if (need_xs) at::parallel_for(0, tasks, tasks > 1 ? 1 : 2, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t * rows, mt = std::min<int64_t>(rows, M - m0);
       for (int64_t m = m0; m < m0 + mt; ++m)
