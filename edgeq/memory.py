@@ -114,18 +114,35 @@ def text_config(config: dict) -> dict:
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
+# Other names of the same config fields, as transformers' ``attribute_map``s spell them (GPT-2: n_layer, n_head,
+# n_embd, n_positions; MPT: n_layers, n_heads, d_model, max_seq_len): a headers-only reader cannot ask transformers.
+_ALIASES = {"num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+            "num_attention_heads": ("n_head", "n_heads"),
+            "hidden_size": ("n_embd", "d_model"),
+            "max_position_embeddings": ("n_positions", "max_seq_len")}
+
+
+def _field(cfg: dict, name: str):
+    """``cfg[name]``, else its first alias present (KeyError naming ``name`` when none is)."""
+    for key in (name, *_ALIASES.get(name, ())):
+        if key in cfg:
+            return cfg[key]
+    raise KeyError(name)
+
+
 def kv_geometry(config: dict) -> KVGeometry:
-    """Layers, KV heads and head_dim from a config.json dict (a nested ``text_config`` wins, as for VLMs)."""
+    """Layers, KV heads and head_dim from a config.json dict (a nested ``text_config`` wins, as for VLMs); GPT-2's and
+    MPT's names for the same fields are read too (``_ALIASES``)."""
     cfg = text_config(config)
     try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
+        layers = int(_field(cfg, "num_hidden_layers"))
+        heads = int(_field(cfg, "num_attention_heads"))
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        head_dim = int(cfg.get("head_dim") or int(_field(cfg, "hidden_size")) // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise EdgeqError(f"config.json: cannot size the KV cache (missing or bad {e}); the config needs "
                          "num_hidden_layers, num_attention_heads, hidden_size (or head_dim)") from e
-    positions = cfg.get("max_position_embeddings")
+    positions = next((cfg[k] for k in ("max_position_embeddings", *_ALIASES["max_position_embeddings"]) if k in cfg), None)
     return KVGeometry(layers, kv_heads, head_dim, int(positions) if isinstance(positions, int) and positions > 0 else None)
 
 

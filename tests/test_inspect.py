@@ -150,6 +150,26 @@ def test_memory_formula_worked_example():
     assert qlinear.rows_per_block is rows_per_block  # the runtime blocks its scratch by the projection's own rule
 
 
+def test_gpt2_style_config_names_are_read_and_inspect_says_what_is_wrong(tmp_path, capsys):
+    """GPT-2's config.json spells the fields n_layer, n_head, n_embd, n_positions (MPT: n_layers, n_heads, d_model,
+    max_seq_len): `edgeq inspect` of a GPT-2 checkpoint stopped at "cannot size the KV cache (missing or bad
+    'num_hidden_layers')" instead of reporting it; now it sizes the cache and names the unsupported architecture."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers.cli import run_cli
+
+    gpt2 = {"n_layer": 2, "n_head": 4, "n_embd": 128, "n_positions": 64}
+    g = kv_geometry(gpt2)
+    assert (g.layers, g.kv_heads, g.head_dim, g.max_positions) == (2, 4, 32, 64)
+    mpt = kv_geometry({"n_layers": 3, "n_heads": 2, "d_model": 64, "max_seq_len": 128})
+    assert (mpt.layers, mpt.kv_heads, mpt.head_dim, mpt.max_positions) == (3, 2, 32, 128)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, bos_token_id=0, eos_token_id=0, **gpt2)).to(torch.bfloat16).save_pretrained(tmp_path / "g")
+    code, out, err = run_cli(["inspect", str(tmp_path / "g")], capsys)
+    assert code == 0 and "GPT2LMHeadModel (gpt2)" in out, (out, err)
+    assert "cannot size the KV cache" not in err and "unsupported architecture model_type='gpt2'" in err, err
+
+
 def test_projection_equals_what_the_runtime_allocates(edgeq_ckpt, monkeypatch):
     """The projection against edgeq.runtime.load's own read-back of what it built (KV cache, scratch, mapped)."""
     monkeypatch.setenv("EDGEQ_NATIVE_ISA", "off")  # memory does not depend on the decode kernel; skip its build
