@@ -50,6 +50,7 @@ import ctypes
 import hashlib
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -57,16 +58,35 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from edgeq import fidelity as F
-from edgeq.convert.calibrated import DEFAULT_CALIB, GPTQOptions
-from edgeq.convert.pipeline import convert
-from edgeq.convert.recipe import find_recipe
-from edgeq.errors import EdgeqError
-from edgeq.fidelity.text import DEFAULT_TEXT
-from edgeq.fidelity.tokens import encode
-from edgeq.keys import DATA
-from edgeq.runtime import load
-from edgeq.scheme import Scheme
+
+def _keep_amx_for_ggml() -> None:
+    """On an AMX CPU, keep oneDNN's and edgeq's kernels off AMX in this process, llama.cpp's ggml being the one AMX
+    user: ggml loads its tile configuration once per thread (``ggml_tile_config_init``, a thread_local flag) and
+    runs tile instructions on it later, while oneDNN's and edgeq's AMX kernels release the tiles after each call on
+    the same OpenMP threads, so ggml's next ``tilezero`` is an invalid opcode (SIGILL, exit 132: seen 2026-12-05 on an
+    Intel Xeon with AMX, with ggml's gcc 12 fix of docs/methodology.md in place). Set before torch loads; the KLD
+    statistics do not depend on the ISA beyond rounding. A variable already set is left alone."""
+    try:
+        amx = " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amx = False
+    if amx:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+        os.environ.setdefault("EDGEQ_NATIVE_ISA", "avx512")
+
+
+_keep_amx_for_ggml()
+
+from edgeq import fidelity as F  # noqa: E402 (after the ISA choice above)
+from edgeq.convert.calibrated import DEFAULT_CALIB, GPTQOptions  # noqa: E402
+from edgeq.convert.pipeline import convert  # noqa: E402
+from edgeq.convert.recipe import find_recipe  # noqa: E402
+from edgeq.errors import EdgeqError  # noqa: E402
+from edgeq.fidelity.text import DEFAULT_TEXT  # noqa: E402
+from edgeq.fidelity.tokens import encode  # noqa: E402
+from edgeq.keys import DATA  # noqa: E402
+from edgeq.runtime import load  # noqa: E402
+from edgeq.scheme import Scheme  # noqa: E402
 
 FIXTURE = DATA / "tiny-prose"
 # label -> (scheme, method, recipe: "family" (the llama recipe, its group_sizes), "uniform" (the same, without) or a
