@@ -66,8 +66,9 @@ class HessianAccumulator:
         Bf16 inputs (the driver's compute dtype on CPUs with bf16 dot products) take bf16 GEMMs: each result is
         rounded to bf16 once per batch, a relative error of 2^-9 of the *correction* (which the sampled tokens
         know far less precisely), never of H; the batches add up in fp32. torch subtracts bf16 values in fp32
-        (exact) and rounds once. On AMX the GEMM is 3-4x the fp32 one's speed at K = 2048..8192
-        (docs/gptq.md, "The cross term in bf16"). Other dtypes compute in fp32."""
+        (exact) and rounds once. On AMX a bf16 [K, 2048] x [2048, K] product runs 4-5x (K = 2048) and 2.5-3x
+        (K = 8192) the fp32 one's speed (a throwaway timing; docs/gptq.md, "The cross term in bf16"). Other dtypes
+        compute in fp32."""
         dt = torch.bfloat16 if xq.dtype == torch.bfloat16 else torch.float32
         d = xf.to(dt) - xq.to(dt)  # bf16 - bf16: the exact fp32 difference, rounded once (no fp32 copies)
         if self._weight is not None:
