@@ -122,12 +122,17 @@ _ALIASES = {"num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
             "max_position_embeddings": ("n_positions", "max_seq_len")}
 
 
-def _field(cfg: dict, name: str):
-    """``cfg[name]``, else its first alias present (KeyError naming ``name`` when none is)."""
+_REQUIRED = object()
+
+
+def _field(cfg: dict, name: str, default=_REQUIRED):
+    """``cfg[name]``, else its first alias present, else ``default`` (KeyError naming ``name`` without one)."""
     for key in (name, *_ALIASES.get(name, ())):
         if key in cfg:
             return cfg[key]
-    raise KeyError(name)
+    if default is _REQUIRED:
+        raise KeyError(name)
+    return default
 
 
 def kv_geometry(config: dict) -> KVGeometry:
@@ -142,7 +147,7 @@ def kv_geometry(config: dict) -> KVGeometry:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise EdgeqError(f"config.json: cannot size the KV cache (missing or bad {e}); the config needs "
                          "num_hidden_layers, num_attention_heads, hidden_size (or head_dim)") from e
-    positions = next((cfg[k] for k in ("max_position_embeddings", *_ALIASES["max_position_embeddings"]) if k in cfg), None)
+    positions = _field(cfg, "max_position_embeddings", None)
     return KVGeometry(layers, kv_heads, head_dim, int(positions) if isinstance(positions, int) and positions > 0 else None)
 
 

@@ -90,7 +90,7 @@ def test_a_head_the_architecture_lacks_is_refused_by_the_converter_and_by_the_lo
                                          r"describes is 'lm_head.weight'; set the recipe's head to it"):
         convert(src, out, recipe=str(recipe))
     assert not out.exists()
-    monkeypatch.setattr(pipeline, "output_head", lambda directory: None)
+    monkeypatch.setattr(pipeline, "output_head", lambda model: None)
     convert(src, out, recipe=str(recipe))
     man = json.loads((out / "edgeq_manifest.json").read_text())
     assert man["head"] == {"name": "output", "quantized": True, "source": "model.embed_tokens.weight", "untied": True}

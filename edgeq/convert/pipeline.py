@@ -48,7 +48,7 @@ from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
 from edgeq.io.hf import Checkpoint, open_checkpoint
 from edgeq.io.safetensors import DTYPES, OutSpec, ShardedWriter
-from edgeq.io.skeleton import config_problems, output_head
+from edgeq.io.skeleton import config_model, config_problems, output_head
 from edgeq.io.writer import prepare_output, say, staging
 from edgeq.keys import Action, Role
 from edgeq.quantize.rtn import METHODS
@@ -105,12 +105,13 @@ def _check_config(ckpt: Checkpoint, recipe: Recipe, plan: Plan) -> None:
     meta-device model imports transformers' modeling code (~110 MiB resident), which would raise the streaming's peak
     memory, and the write takes ~2 minutes for a 1B model. Calibrated methods import that code anyway and run for
     minutes to hours (`--recipe quality --calib self`: 15-30 min for a 1B model on 2 cores): checked before them."""
-    actual = output_head(ckpt.root)
+    model = config_model(ckpt.root)
+    actual = output_head(model)
     if actual is not None and actual != recipe.head:  # written under another name, no loader would find the head
         raise EdgeqError(f"recipe {recipe.name} ({recipe.source}): head = {recipe.head!r}, but the output head of the "
                          f"model {ckpt.root}/config.json describes is {actual!r}; set the recipe's head to it")
     linears = [e.source for e in plan.entries if e.action == Action.QUANTIZE and e.role == Role.LINEAR]
-    problems = config_problems(ckpt.root, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head, linears)
+    problems = config_problems(model, {n: t.shape for n, t in ckpt.tensors.items()}, recipe.head, linears)
     if problems:
         raise EdgeqError(f"{ckpt.root}: the weights do not match config.json ({len(problems)} problem(s): "
                          f"{'; '.join(problems[:3])}); the checkpoint is incomplete or its config.json belongs to "

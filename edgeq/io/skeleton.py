@@ -119,15 +119,18 @@ def quantized_bias(files, name: str, old: nn.Module) -> tuple[torch.Tensor | Non
     return bias, 0, bias.numel() * 2
 
 
-def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str, linears=()) -> list[str]:
+def config_model(directory) -> nn.Module:
+    """The model ``directory``'s config.json describes, on the meta device (bf16): cheap, no weights."""
+    return build_meta_model(load_config(directory), torch.bfloat16)
+
+
+def config_problems(model: nn.Module, shapes: dict[str, tuple[int, ...]], head: str, linears=()) -> list[str]:
     """What a float checkpoint's tensors (``shapes``: name -> shape, from its headers) and the model its config.json
     describes disagree on: tensors missing, of another shape, or not in the model; and a tensor quantised as a Linear
     (``linears``: weight names) that is not a Linear's weight there (an embedding, GPT-2's transposed Conv1D).
     ``head`` may be absent only where config.json ties it (edgeq quantises it from the embedding then), and may be
-    present although the config ties it. Cheap: a meta-device model."""
-    config = load_config(directory)
-    model = build_meta_model(config, torch.bfloat16)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    present although the config ties it. ``model``: :func:`config_model`."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     expected = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
     problems = [f"{n}: checkpoint shape {list(shapes[n])} but config.json implies {list(want)}"
                 for n, want in expected.items() if n in shapes and tuple(shapes[n]) != want]
@@ -142,10 +145,9 @@ def config_problems(directory, shapes: dict[str, tuple[int, ...]], head: str, li
     return problems
 
 
-def output_head(directory) -> str | None:
-    """The weight name of the output head of the model ``directory``'s config.json describes (``lm_head.weight``
-    for the Llama family), from a meta-device model; None where the class has none."""
-    model = build_meta_model(load_config(directory), torch.bfloat16)
+def output_head(model: nn.Module) -> str | None:
+    """The weight name of ``model``'s output head (``lm_head.weight`` for the Llama family; ``model``:
+    :func:`config_model`); None where the class has none."""
     out = model.get_output_embeddings()
     return next((f"{n}.weight" for n, m in model.named_modules() if m is out), None) if out is not None else None
 

@@ -39,7 +39,7 @@ class HessianAccumulator:
             raise EdgeqError(f"{self.name}: an output-side cross term needs cross=True and a weight [N, {self.k}], "
                              f"got {list(weight.shape)}")
         self._weight = None if weight is None else weight.detach().to(torch.float32)
-        self._weight_by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self._weight_t: torch.Tensor | None = None  # W^T in the inputs' dtype, made at the first batch
         width = self.k if weight is None else weight.shape[0]
         self._cross = torch.zeros(self.k, width, dtype=torch.float32) if cross else None
 
@@ -72,9 +72,9 @@ class HessianAccumulator:
         dt = torch.bfloat16 if xq.dtype == torch.bfloat16 else torch.float32
         d = xf.to(dt) - xq.to(dt)  # bf16 - bf16: the exact fp32 difference, rounded once (no fp32 copies)
         if self._weight is not None:
-            if self._weight_by_dtype.get(dt) is None:
-                self._weight_by_dtype[dt] = self._weight.to(dt).t()
-            d = d @ self._weight_by_dtype[dt]
+            if self._weight_t is None or self._weight_t.dtype != dt:
+                self._weight_t = self._weight.to(dt).t()
+            d = d @ self._weight_t
         return (xq.to(dt).t() @ d).to(torch.float32)
 
     def _check_tokens(self) -> None:
