@@ -66,11 +66,9 @@ def _keep_amx_for_ggml() -> None:
     the same OpenMP threads, so ggml's next ``tilezero`` is an invalid opcode (SIGILL, exit 132: seen 2026-12-05 on an
     Intel Xeon with AMX, with ggml's gcc 12 fix of docs/methodology.md in place). Set before torch loads; the KLD
     statistics do not depend on the ISA beyond rounding. A variable already set is left alone."""
-    try:
-        amx = " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        amx = False
-    if amx:
+    from edgeq import cpu  # the CPU's flags, read once (no torch import)
+
+    if "amx_tile" in cpu.flags():
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         os.environ.setdefault("EDGEQ_NATIVE_ISA", "avx512")
 
