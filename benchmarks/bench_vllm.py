@@ -116,14 +116,20 @@ def write_gptq(edgeq_dir: Path, out: Path, hf: Path) -> None:
     files = MappedFiles(edgeq_dir)
     quantized = set(manifest["quantized_modules"])
     packed = manifest.get("embeddings", {})
+    # a packed table's own levels (a tied table's level 0 is the head, which stays: it is quantised)
+    levels = {lv["module"] for e in packed.values() for lv in e["levels"]} - quantized
     tensors = {}
     for f in sorted(hf.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             tensors.update({e["source"]: st.get_tensor(e["source"]) for e in packed.values() if e["source"] in st.keys()})
+    missing = [e["source"] for e in packed.values() if e["source"] not in tensors]
+    if missing:
+        raise SystemExit(f"{hf}: no {missing[0]} for the packed embedding table; give --work the float checkpoint "
+                         f"{edgeq_dir} was made from")
     for name in files.names():
         module, _, suffix = name.rpartition(".")
-        if module in packed:
-            continue  # its table came from hf above
+        if module in levels:
+            continue  # the table came from hf above
         if module in quantized and suffix == "qweight":
             qw, sz = files.get(name), files.get(f"{module}.scales_and_zeros")
             n, k = qw.shape[0], qw.shape[1] * 2
