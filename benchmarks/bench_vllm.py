@@ -124,8 +124,8 @@ def write_gptq(edgeq_dir: Path, out: Path, hf: Path) -> None:
             tensors.update({e["source"]: st.get_tensor(e["source"]) for e in packed.values() if e["source"] in st.keys()})
     missing = [e["source"] for e in packed.values() if e["source"] not in tensors]
     if missing:
-        raise SystemExit(f"{hf}: no {missing[0]} for the packed embedding table; give --work the float checkpoint "
-                         f"{edgeq_dir} was made from")
+        raise SystemExit(f"{hf}: no {missing[0]} for the packed embedding table: the float checkpoint {edgeq_dir} "
+                         f"was made from belongs there (remove both under --work to rebuild them)")
     for name in files.names():
         module, _, suffix = name.rpartition(".")
         if module in levels:
