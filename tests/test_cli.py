@@ -42,7 +42,10 @@ def commands():
 @pytest.mark.parametrize("command, expected", [
     ("quantize", ["Output directory [default: MODEL-<scheme>]",
                   "calibration text, or 'self': token ids sampled from the model itself",
-                  "of them) [default: the bundled edgeq/data/calib-prose.txt]",
+                  "of them) [default: self for the default command's quality recipe; with --method gptq or --recipe, "
+                  "the bundled edgeq/data/calib-prose.txt]",
+                  "[default: quality (--calib self) for float llama, mistral, qwen2, qwen3 at W4A16 unless --method is "
+                  "given; else the recipe for config.json's model_type]",
                   "calibration windows [default: 128 for a text; for --calib self, max(32, ceil(4 x the widest "
                   "Linear input / --seqlen))]", "tokens per window [default: 512 for a text; 256 for --calib self]",
                   "[default: 0.01]", "e.g. 2GiB, 500MB. [default: 2GiB]"]),

@@ -228,29 +228,29 @@ def test_untied_levels_are_rtn_then_the_residual(untied):
 
 def test_cli_reports_what_it_wrote(untied, tmp_path, capsys):
     src = untied[0]
-    code, out, err = run_cli(["quantize", src, "-o", tmp_path / "o", "-q", "--embeddings", "packed"], capsys)
+    code, out, err = run_cli(["quantize", src, "--method", "rtn", "-o", tmp_path / "o", "-q", "--embeddings", "packed"], capsys)
     assert code == 0, err
     assert "embeddings: packed 4-bit (g32 + residual g128), 0.04 MiB (bf16: 0.06 MiB); relative error" in out
-    code, out, err = run_cli(["quantize", src, "-o", tmp_path / "j", "-q", "--json", "--embeddings", "packed"], capsys)
+    code, out, err = run_cli(["quantize", src, "--method", "rtn", "-o", tmp_path / "j", "-q", "--json", "--embeddings", "packed"], capsys)
     emb = json.loads(out)["embeddings"]
     assert code == 0 and emb["storage"] == "packed" and emb["bytes"] == 37888 and emb["bf16_bytes"] == 65536
     assert emb["levels"] == [{"module": TABLE, "group_size": 32, "own": True},
                              {"module": f"{TABLE}.residual", "group_size": 128, "own": True}]
-    code, out, err = run_cli(["quantize", src, "-o", tmp_path / "b", "-q", "--embeddings", "bf16"], capsys)
+    code, out, err = run_cli(["quantize", src, "--method", "rtn", "-o", tmp_path / "b", "-q", "--embeddings", "bf16"], capsys)
     assert code == 0 and f"embeddings: bf16 ({TABLE}.weight), 0.06 MiB" in out
 
 
 def test_dry_run_shows_the_levels(capsys):
-    code, out, err = run_cli(["quantize", FIXTURE, "--dry-run", "--json", "--embeddings", "packed"], capsys)
+    code, out, err = run_cli(["quantize", FIXTURE, "--method", "rtn", "--dry-run", "--json", "--embeddings", "packed"], capsys)
     assert code == 0, err
     doc = json.loads(out)
     row = doc["plan"][-1]  # last: written after the head, whose stored bytes it reads back
     assert row["name"] == f"{TABLE}.weight" and row["action"] == "pack-embedding" and row["bytes_out"] == 557056
     assert row["levels"] == [{"module": "lm_head", "group_size": 32}, {"module": TABLE, "group_size": 128}]
     assert doc["embeddings"]["storage"] == "packed" and doc["embeddings"]["bf16_bytes"] == 2 << 20
-    code, out, _ = run_cli(["quantize", FIXTURE, "--dry-run", "--embeddings", "packed"], capsys)
+    code, out, _ = run_cli(["quantize", FIXTURE, "--method", "rtn", "--dry-run", "--embeddings", "packed"], capsys)
     assert code == 0 and "embeddings: packed 4-bit (lm_head + residual g128), 0.53 MiB (bf16: 2.00 MiB)" in out
-    code, out, _ = run_cli(["quantize", FIXTURE, "--dry-run", "--json", "--embeddings", "bf16"], capsys)
+    code, out, _ = run_cli(["quantize", FIXTURE, "--method", "rtn", "--dry-run", "--json", "--embeddings", "bf16"], capsys)
     doc = json.loads(out)
     assert code == 0 and doc["embeddings"]["storage"] == "bf16"
     assert [r["action"] for r in doc["plan"] if r["name"] == f"{TABLE}.weight"] == ["copy"]

@@ -54,24 +54,33 @@ def test_a_family_gptq_cannot_calibrate_is_refused(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-HINT = "for a lower KLD without calibration data: `edgeq quantize --recipe quality --calib self`"
+SAID = "default conversion: recipe quality, GPTQ on ids sampled from the model itself"
+FAST = ["--nsamples", "2", "--seqlen", "16"]  # still the default command (no --recipe, no --method); a quick sampling
 
 
-def test_the_default_command_points_to_the_recipe_where_it_applies(tmp_path, capsys):
-    """After the plain default command on a family GPTQ calibrates, one line on stderr names the data-free recipe;
-    not after a family it cannot calibrate, nor once the user chose a method, recipe, scheme or calibration, nor with
-    -q or --json (whose stdout stays one JSON document)."""
+def test_the_default_command_takes_the_recipe_where_it_applies(tmp_path, capsys):
+    """The plain command converts a float llama/mistral/qwen2/qwen3 checkpoint with the quality recipe on ids sampled
+    from the model, and says so on stderr after its summary; a family GPTQ cannot calibrate keeps its family recipe and
+    says why; a chosen method or recipe is the user's; -q and --json print nothing more (stdout stays one JSON)."""
     llama, gemma = save_tiny("llama", tmp_path / "l", tied=True), save_tiny("gemma2", tmp_path / "g", tied=True)
 
-    def hint(*args):
+    def run(*args):
         code, stdout, err = run_cli(["quantize", *args, "-o", tmp_path / "o", "--force"], capsys)
         assert code == 0, err
-        return stdout, HINT in " ".join(err.split())
+        m = read_manifest(tmp_path / "o")
+        return stdout, " ".join(err.split()), (m.created_by["recipe"], m.method, m.scheme)
 
-    stdout, shown = hint(llama)
-    assert shown and HINT not in stdout and stdout.startswith("wrote ")
-    assert not hint(gemma)[1]
-    for chosen in (["--method", "rtn"], ["--recipe", "llama"], ["--scheme", "w4a16-g128"], ["-q"]):
-        assert not hint(llama, *chosen)[1], chosen
-    stdout, shown = hint(llama, "--json")
-    assert not shown and stdout.lstrip().startswith("{")
+    stdout, said, made = run(llama, *FAST)
+    assert SAID in said and "`--method rtn` is the quick conversion" in said and stdout.startswith("wrote ")
+    assert made == ("quality", "gptq", "w4a16-g128")  # K = 128 here: the base group falls back from 256 to 128
+    assert read_manifest(tmp_path / "o").extra["gptq"]["calibration"]["source"] == "self"
+    stdout, said, made = run(gemma)
+    assert made == ("gemma2", "rtn", "w4a16-g128") and SAID not in said
+    assert "default conversion: model_type 'gemma2': GPTQ calibrates llama, mistral, qwen2, qwen3 only; converting " \
+           "with the family recipe (rtn)" in said
+    assert run(llama, "--method", "rtn")[2] == ("llama", "rtn", "w4a16-g128")
+    assert run(llama, "--recipe", "llama")[2] == ("llama", "rtn", "w4a16-g128")
+    stdout, said, made = run(llama, "-q", *FAST)
+    assert made[0] == "quality" and SAID not in said
+    stdout, said, _ = run(llama, "--json", *FAST)
+    assert SAID not in said and stdout.lstrip().startswith("{")

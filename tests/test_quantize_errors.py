@@ -80,12 +80,20 @@ def _rewrite(src, fn):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_nan_weights(tmp_path, capsys, src):
+@pytest.mark.parametrize("extra, message", [
+    (["--method", "rtn"], "model.layers.1.mlp.up_proj.weight rows 0..256: 1 NaN/Inf value(s)"),
+    # the default (quality recipe, GPTQ): refused before sampling from the damaged model, not in its layer minutes later
+    ([], "model.safetensors: tensor model.layers.1.mlp.up_proj.weight has NaN/Inf values; fix or re-export"),
+])
+def test_nan_weights(tmp_path, capsys, src, monkeypatch, extra, message):
+    import edgeq.convert.pipeline as conv
+
     def poison(t):
         t["model.layers.1.mlp.up_proj.weight"][3, 7] = float("nan")
 
     _rewrite(src, poison)
-    expect_error(tmp_path, capsys, src, "model.layers.1.mlp.up_proj.weight rows 0..256: 1 NaN/Inf value(s)")
+    monkeypatch.setattr(conv, "calibration", lambda *a, **k: pytest.fail("sampled from a model with NaN weights"))
+    expect_error(tmp_path, capsys, src, message, *extra)
 
 
 def test_inf_in_norm(tmp_path, capsys, src):
@@ -185,8 +193,19 @@ def test_ctrl_c_cli_exit_code(tmp_path, capsys, src, monkeypatch):
     import edgeq.convert.pipeline as conv
 
     monkeypatch.setattr(conv, "_stream", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q", "--method", "rtn"], capsys)
+    assert code == 2 and "interrupted" in err and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_the_default_command_samples(tmp_path, capsys, src, monkeypatch):
+    """The default command (the quality recipe) is interrupted where it spends its first minutes: sampling."""
+    import edgeq.convert.pipeline as conv
+
+    before = dir_digest(src)
+    monkeypatch.setattr(conv, "calibration", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "-q"], capsys)
     assert code == 2 and "interrupted" in err and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.edgeq-tmp-*")) and dir_digest(src) == before
 
 
 def test_recipe_keeping_the_head_is_rejected(tmp_path, capsys, src):
@@ -210,7 +229,9 @@ def test_dry_run_reads_no_weights(tmp_path, capsys, src, monkeypatch):
     from edgeq.io import safetensors as safetensors_io
 
     monkeypatch.setattr(safetensors_io, "read_tensor", lambda *a, **k: pytest.fail("dry run read tensor data"))
-    code, out, _ = run_cli(["quantize", str(src), "--dry-run", "--json"], capsys)
+    code, out, _ = run_cli(["quantize", str(src), "--dry-run", "--json"], capsys)  # the default: headers only too
+    assert code == 0 and json.loads(out)["recipe"] == "quality"
+    code, out, _ = run_cli(["quantize", str(src), "--dry-run", "--json", "--method", "rtn"], capsys)
     assert code == 0
     plan = json.loads(out)
     head = [r for r in plan["plan"] if r["role"] == "head"]

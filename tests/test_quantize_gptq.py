@@ -371,7 +371,8 @@ def test_refusals(tmp_path, capsys):
     # a float checkpoint: the ingest options are refused
     code, _, err = run_cli(["quantize", str(FIXTURE), "-o", str(tmp_path / "o2"), "-q", "--requantize"], capsys)
     assert code == 2 and "--requantize and --head-from apply to GPTQ input" in err
-    code, _, err = run_cli(["quantize", str(FIXTURE), "-o", str(tmp_path / "o2"), "-q", "--nsamples", "4"], capsys)
+    code, _, err = run_cli(["quantize", str(FIXTURE), "-o", str(tmp_path / "o2"), "-q", "--nsamples", "4", "--method",
+                            "rtn"], capsys)
     assert code == 2 and "apply to --method gptq" in err
 
 
@@ -609,7 +610,7 @@ def test_gptq_params_reach_the_sweep_and_are_refused_elsewhere(tmp_path, capsys,
         q, sz, _, _ = read_module(tmp_path / "mm", m, 32)
         assert torch.equal(q, minmax[m].q) and torch.equal(sz, minmax[m].scales_and_zeros), m
     assert any(not torch.equal(minmax[m].scales_and_zeros, searched[m].scales_and_zeros) for m in BODY)
-    for extra in (["--gptq-params", "minmax"], ["--method", "gptq", "--gptq-params", "mse"]):
+    for extra in (["--method", "rtn", "--gptq-params", "minmax"], ["--method", "gptq", "--gptq-params", "mse"]):
         code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "no"), *extra], capsys)
         assert code == 2 and err.count("\n") == 1 and "--gptq-params" in err, err
     assert not (tmp_path / "no").exists()
@@ -635,7 +636,7 @@ def test_gptq_target_reaches_the_driver_and_is_refused_elsewhere(tmp_path, capsy
         q, sz, _, _ = read_module(tmp_path / "la", m, 32)
         assert torch.equal(q, layer[m].q) and torch.equal(sz, layer[m].scales_and_zeros), m
     assert any(not torch.equal(layer[m].q, default[m].q) for m in BODY)
-    for extra, words in ((["--gptq-target", "layer"], "--gptq-target"),
+    for extra, words in ((["--method", "minmax", "--gptq-target", "layer"], "--gptq-target"),
                          (["--method", "rtn", "--gptq-target", "float"], "--gptq-target float: applies to --method gptq"),
                          (["--method", "gptq", "--gptq-target", "exact"], "--gptq-target exact: must be one of float, layer"),
                          (["--method", "gptqmodel", "--gptq-target", "layer"], "not to --method gptqmodel")):

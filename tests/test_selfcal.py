@@ -21,6 +21,7 @@ from edgeq.convert.calibrated import GPTQOptions
 from edgeq.errors import EdgeqError
 from edgeq.io.manifest import read_manifest
 from helpers.cli import run_cli
+from helpers.models import save_tiny
 from helpers.paths import FIXTURE
 
 # Mean KLD (6,120 held-out tokens) that --calib self at its default size must beat on the bundled model. Measured
@@ -129,11 +130,16 @@ def test_samples_follow_the_model_and_are_deterministic():
     assert _reference_draw_check(shifted, 0) < 0.5
 
 
-def test_calib_self_needs_method_gptq(tmp_path, capsys, monkeypatch):
-    for extra in ([], ["--method", "rtn"]):
-        code, out, err = run_cli(["quantize", FIXTURE, "-o", tmp_path / "o", "--calib", "self", *extra], capsys)
+def test_calib_self_needs_a_calibrated_method(tmp_path, capsys, monkeypatch):
+    """--calib self goes with --method gptq, or with the default command where it takes the quality recipe; with
+    another method, or on a family the default converts with rtn (gemma2), it is refused."""
+    gemma = save_tiny("gemma2", tmp_path / "g", tied=True)
+    for src, extra in ((FIXTURE, ["--method", "rtn"]), (gemma, [])):
+        code, out, err = run_cli(["quantize", src, "-o", tmp_path / "o", "--calib", "self", *extra], capsys)
         assert code == 2 and err.count("\n") == 1 and "apply to --method gptq" in err and "--calib" in err, err
     assert not (tmp_path / "o").exists()
+    code, out, err = run_cli(["quantize", FIXTURE, "--calib", "self", "--calib-seed", "3", "--dry-run", "--json"], capsys)
+    assert code == 0 and (json.loads(out)["recipe"], json.loads(out)["method"]) == ("quality", "gptq"), err
     monkeypatch.chdir(tmp_path)
     (tmp_path / "self").write_text("a file named self")
     code, _, err = run_cli(["quantize", FIXTURE, "-o", tmp_path / "o", "--method", "gptq", "--calib", "self"], capsys)

@@ -22,13 +22,26 @@ _SEED_HELP = ("--calib self: the sampling seed [default: 0]. Same seed, same mac
               "seed: other windows (docs/gptq.md: the KLD moves within ~2%).")
 _SEQLEN_HELP = "--method gptq: tokens per window [default: 512 for a text; 256 for --calib self]."
 _CALIB_HELP = ("--method gptq: calibration text, or 'self': token ids sampled from the model itself (seed 0; default "
-               "256-token windows, max(32, 4 x the widest Linear input / 256) of them) [default: the bundled "
-               "edgeq/data/calib-prose.txt].")
-# Printed after a default conversion the quality recipe could have done (docs/results.md "Quality per byte").
-_QUALITY_HINT = ("for a lower KLD without calibration data: `edgeq quantize --recipe quality --calib self` (GPTQ on "
-                 "tokens sampled from the model, a smaller checkpoint; a longer conversion with more memory: for a 1B "
-                 "model on 2 cores, measured, ~7.6x this command's time on an Intel Xeon with AMX and ~18-20x on AMD "
-                 "Zen 4, ~4 GiB peak; docs/results.md)")
+               "256-token windows, max(32, 4 x the widest Linear input / 256) of them) [default: self for the default "
+               "command's quality recipe; with --method gptq or --recipe, the bundled edgeq/data/calib-prose.txt].")
+# Printed after the default command's conversion where it took the quality recipe (edgeq/convert/default.py).
+_QUALITY_DEFAULT = ("default conversion: recipe quality, GPTQ on ids sampled from the model itself (no data needed; "
+                    "mean KLD ~2.7x lower than `--method rtn` on the bundled model). `--method rtn` is the quick "
+                    "conversion: for a 1B model on 2 cores, measured, ~1/7.6 of this one's time on an Intel Xeon with "
+                    "AMX and ~1/18-1/20 on AMD Zen 4, ~0.6-0.9 GiB peak against ~4 (docs/results.md)")
+_METHOD_HELP = ("rtn (least-squares scale/zero search; the quick conversion) | clip (min/max + clipping search) | "
+                "minmax | gptq (calibrated) | gptqmodel (GPTQModel's GPTQ, the gptq extra; ingested exactly). For GPTQ "
+                "input: the method of whatever is requantised. [default: with no --recipe either, the quality recipe's "
+                "gptq on ids sampled from the model for float llama, mistral, qwen2 and qwen3 checkpoints at W4A16; "
+                "else the recipe's, rtn]")
+_RECIPE_HELP = ("Recipe NAME (see `edgeq recipes`) or a .toml FILE [default: quality (--calib self) for float llama, "
+                "mistral, qwen2, qwen3 at W4A16 unless --method is given; else the recipe for config.json's "
+                "model_type].")
+_EMBEDDINGS_HELP = ("packed (4-bit: the head's levels plus a residual, tinygemm schemes) | bf16 [default: the recipe's "
+                    "embeddings_storage; w4a8: bf16].")
+_HEAD_LEVELS_HELP = ("1 | 2: with --embeddings packed on a tied model, 2 makes the output head add the table's "
+                     "residual level too (logits = x @ (D0 + D1)^T: no extra bytes, a second 4-bit matmul per token) [default: "
+                     "the recipe's head_levels, 1].")
 _GPTQ_PARAMS_HELP = ("--method gptq: each group's scale and zero, chosen when the sweep reaches it: search (the rtn "
                      "least-squares search on its error-updated values) | minmax (GPTQ's original; the default "
                      "before 2026-12-02) [default: search].")
@@ -42,12 +55,10 @@ def quantize(
     model: str = typer.Argument(..., help="Hugging Face model directory or hub id (org/name); float or GPTQ."),
     revision: Optional[str] = typer.Option(None, "--revision", help=REVISION_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory [default: MODEL-<scheme>]."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's; "
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="w4a16-g32|g64|g128|g256, w4a8-g32|g64|g128, or auto (the fastest here, measured by `edgeq route`) [default: the recipe's (quality: g256 where every K divides by 256, else g128); "
                                          "for GPTQ input the checkpoint's group size]."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn (least-squares scale/zero search, default) | clip (min/max + clipping search) | minmax | "
-                                         "gptq (calibrated) | gptqmodel (GPTQModel's GPTQ, the gptq extra; ingested exactly). For GPTQ input: the method of whatever is requantised."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe NAME (see `edgeq recipes`) or a .toml FILE "
-                                         "[default: the recipe for config.json's model_type]."),
+    method: Optional[str] = typer.Option(None, "--method", help=_METHOD_HELP),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help=_RECIPE_HELP),
     requantize: bool = typer.Option(False, "--requantize", help="GPTQ input: requantise (from the exact dequantisation) "
                                     "the layers that cannot be repacked exactly, e.g. another group size."),
     head_from: Optional[Path] = typer.Option(None, "--head-from", help="GPTQ input: quantise the head from this original "
@@ -62,13 +73,8 @@ def quantize(
                                          "diagonal [default: 0.01]."),
     gptq_params: Optional[str] = typer.Option(None, "--gptq-params", help=_GPTQ_PARAMS_HELP),
     gptq_target: Optional[str] = typer.Option(None, "--gptq-target", help=_GPTQ_TARGET_HELP),
-    embeddings: Optional[str] = typer.Option(None, "--embeddings", help="packed (4-bit: the head's levels plus a "
-                                             "residual, tinygemm schemes) | bf16 [default: the recipe's "
-                                             "embeddings_storage; w4a8: bf16]."),
-    head_levels: Optional[int] = typer.Option(None, "--head-levels", help="1 | 2: with --embeddings packed on a tied "
-                                              "model, 2 makes the output head add the table's residual level too "
-                                              "(logits = x @ (D0 + D1)^T: no extra bytes, a second 4-bit matmul per "
-                                              "token) [default: the recipe's head_levels, 1]."),
+    embeddings: Optional[str] = typer.Option(None, "--embeddings", help=_EMBEDDINGS_HELP),
+    head_levels: Optional[int] = typer.Option(None, "--head-levels", help=_HEAD_LEVELS_HELP),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (from headers only) and exit."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -76,11 +82,16 @@ def quantize(
     max_shard_size: str = size_option("2GiB", "--max-shard-size", "Largest output shard, e.g. 2GiB, 500MB."),
 ) -> None:
     """Quantise a Hugging Face checkpoint (float, or GPTQ: repacked exactly) into one packed checkpoint: W4A16 (tinygemm) or W4A8."""
-    from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415 (torch: only when the command runs)
+    from edgeq.convert.default import default_choice  # noqa: PLC0415 (torch: only when the command runs)
+    from edgeq.convert.pipeline import convert, prepare  # noqa: PLC0415
 
     parsed = _parse_scheme(scheme)
     check_method(method)
-    prepared = prepare(resolve_model(model, revision), parsed, method, recipe, requantize=requantize, head_from=head_from,
+    src = resolve_model(model, revision)
+    chosen = default_choice(src, parsed) if recipe is None and method is None else None  # edgeq/convert/default.py
+    if chosen is not None and chosen.recipe:
+        recipe, parsed, calib = chosen.recipe, chosen.scheme, calib or Path(chosen.calib)  # --calib TEXT stays
+    prepared = prepare(src, parsed, method, recipe, requantize=requantize, head_from=head_from,
                        gptq=_gptq_options(calib, nsamples, seqlen, act_order, damp, method, calib_seed, gptq_params,
                                           gptq_target),
                        embeddings=embeddings, head_levels=head_levels)
@@ -96,8 +107,16 @@ def quantize(
                                                max_shard_bytes=shard_bytes),
                             plan.bytes_in + plan.head.bytes_in * plan.tied + _extra_reads(plan), quiet or as_json)
     emit(report, as_json, _render_convert)
-    if not (quiet or as_json) and scheme is method is recipe is calib is None:
-        _suggest_quality(plan)
+    if chosen is not None and not (quiet or as_json):  # after the summary: an error before it stays one line
+        _say_default(chosen)
+
+
+def _say_default(chosen) -> None:
+    """One line on stderr after the default command: what it chose (the quality recipe: and the quick alternative),
+    or why a float checkpoint kept its family recipe; nothing for GPTQ input."""
+    if chosen.recipe or chosen.why:
+        err.print(_QUALITY_DEFAULT if chosen.recipe else f"default conversion: {chosen.why}", highlight=False,
+                  soft_wrap=True)
 
 
 def _parse_scheme(scheme: str | None):
@@ -110,17 +129,6 @@ def _parse_scheme(scheme: str | None):
     if chosen != scheme:
         err.print(f"--scheme auto: {chosen} (the fastest scheme `edgeq route` measured on this machine)", highlight=False)
     return Scheme.parse(chosen) if chosen is not None else None  # "" is parsed, and refused, not the default
-
-
-def _suggest_quality(plan) -> None:
-    """After the plain default command: one line naming the ``quality`` recipe where it could have converted the same
-    input (a float checkpoint of a family edgeq's GPTQ calibrates, converted by its family recipe: ``rtn``, W4A16)."""
-    from edgeq.convert.calibrate import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
-    from edgeq.keys import Kernel  # noqa: PLC0415
-
-    family = plan.recipe in SUPPORTED_MODEL_TYPES  # a family recipe is named after its model_type
-    if family and plan.method == "rtn" and not plan.source and plan.scheme.kernel == Kernel.W4A16:
-        err.print(_QUALITY_HINT, highlight=False, soft_wrap=True)
 
 
 def _dry_run(plan, recipe, as_json: bool) -> None:

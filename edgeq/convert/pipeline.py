@@ -42,7 +42,7 @@ from edgeq.convert.packers import packer
 from edgeq.convert.plan import Plan, build_plan, recipe_warnings
 from edgeq.convert.recipe import Recipe, find_recipe
 from edgeq.convert.records import copy_aux, manifest, notes, tokenizer_problem, write_config
-from edgeq.convert.stream import Progress, rss
+from edgeq.convert.stream import Progress, check_finite, rss
 from edgeq.convert.stream import stream as _stream  # a module global: tests replace it
 from edgeq.convert.verify import verify_written
 from edgeq.errors import EdgeqError
@@ -237,6 +237,7 @@ def convert(
     early = float_input is not None and plan.method in ("gptq", GPTQMODEL)
     if early:  # a calibrated conversion runs for minutes to hours and imports the modeling code anyway
         _check_config(float_input, rec, plan)
+        check_finite(float_input, sorted({e.source for e in plan.entries if e.source in float_input.tensors}))
     windows, calib = calibration(ckpt, plan) if plan.method == "gptq" else (None, None)
     with staging(out, "tmp") as tmp:  # SIGTERM and Ctrl-C remove it; at the end: renamed to out, fsynced
         with quantized(ckpt, plan, rec, tmp) as (ckpt, plan):  # gptqmodel: GPTQModel's output in tmp, ingested exactly
