@@ -1,7 +1,7 @@
 """Conversion peak memory vs model size: it must not grow with the model (streaming, row blocks, no mmap).
 
 Builds synthetic checkpoints of ~0.5x, 1x and ~4x a base size (hidden 1024, vocab 16384, untied head; 3, 8 and 35
-layers), converts each in a child process (`edgeq quantize`), and reads the child's own peak RSS from wait4()'s
+layers), converts each in a child process (`edgeq quantize --method rtn`), and reads the child's own peak RSS from wait4()'s
 rusage (ru_maxrss of that child alone) plus the peak RssAnon the converter sampled itself.
 
     python benchmarks/bench_convert_memory.py [--workdir /tmp/edgeq-convmem] [--passes 1]
@@ -26,7 +26,10 @@ LAYERS = {"0.5x": 3, "1x": 8, "4x": 35}
 
 
 def convert_child(src: Path, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(src), "-o", str(out), "--json", "--force", "-q"]
+    # --method rtn: the streaming conversion this measures (tensor by tensor in row blocks). The plain command's quality
+    # recipe (GPTQ) streams one decoder layer at a time; its peak grows with the layer's width (docs/gptq.md).
+    cmd = [sys.executable, "-m", "edgeq.cli", "quantize", str(src), "-o", str(out), "--json", "--force", "-q",
+           "--method", "rtn"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

@@ -35,6 +35,11 @@ from edgeq.runtime.crossover import phrase as crossover_phrase  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "llama-3.2-1b")
 SCHEME = "w4a16-g128"
+# The quick conversion (least-squares rounding, the family recipe): every table of README/docs/results.md from this
+# script is of its checkpoints. Since 2026-12-05 the plain `edgeq quantize` (and `--scheme` alone) takes the quality
+# recipe with GPTQ instead, ~8-20x longer on a 1B model on 2 cores; its checkpoint's serving cost was measured apart
+# (`edgeq bench QUALITY --vs RTN`, docs/results.md "what the `quality` recipe's checkpoint costs to serve").
+METHOD = "rtn"
 SCHEME_W4A8 = "w4a8-g128"
 NAMES = {"A": SCHEME, "W": SCHEME_W4A8, "B": "bf16 reference", "G": "llama.cpp Q4_K_M"}
 
@@ -66,8 +71,8 @@ def prepare(model: str, workdir: Path, want_gguf: bool, schemes=(SCHEME,)) -> di
         saved = workdir / (f"{model}-convert.json" if scheme == SCHEME else f"{model}-{scheme}-convert.json")
         conversion = None
         if not (q / "edgeq_manifest.json").exists():
-            log(f"{model}: edgeq quantize --scheme {scheme} (child process, timed)")
-            conversion = run_convert(str(src), scheme, None, passes=1, keep=q)
+            log(f"{model}: edgeq quantize --scheme {scheme} --method {METHOD} (child process, timed)")
+            conversion = run_convert(str(src), scheme, METHOD, passes=1, keep=q)
             if conversion.failures:
                 raise SystemExit(f"{model}: conversion failed: {conversion.failures}")
             saved.write_text(to_json(conversion))

@@ -1,7 +1,7 @@
 """Quality per byte on the bundled model: edgeq's arms and (with the ``llama`` extra) llama.cpp's, one table.
 
     python benchmarks/quality_table.py                      # every edgeq arm; llama.cpp's when importable
-    python benchmarks/quality_table.py --arms default,rtn-g128 --max-tokens 2000   # a quick look
+    python benchmarks/quality_table.py --arms default,family-rtn --max-tokens 2000   # a quick look
     python benchmarks/quality_table.py --llama-sdist /tmp/llamadl/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/quality_table.py --model DIR --text DIR/heldout.txt   # another trained model (its held-out text)
     python benchmarks/quality_table.py --arms '' --llama Q4_K_M,Q4_K_M+imatrix --llama-tools BUILD/bin   # llama.cpp's
@@ -77,6 +77,7 @@ _keep_amx_for_ggml()
 
 from edgeq import fidelity as F  # noqa: E402 (after the ISA choice above)
 from edgeq.convert.calibrated import DEFAULT_CALIB, GPTQOptions  # noqa: E402
+from edgeq.convert.default import default_choice  # noqa: E402
 from edgeq.convert.pipeline import convert  # noqa: E402
 from edgeq.convert.recipe import find_recipe  # noqa: E402
 from edgeq.errors import EdgeqError  # noqa: E402
@@ -92,16 +93,19 @@ FIXTURE = DATA / "tiny-prose"
 #           as 4-bit levels, tied: level 0 = the head), --calib: None (the bundled text for gptq) or "self" (ids sampled
 #           from the model itself: no data), --head-levels: None (the recipe's) or 2 (the head adds the residual level));
 #           method "gptq:minmax" is --method gptq --gptq-params minmax
+#           recipe "default": what `edgeq quantize MODEL` chooses (edgeq.convert.default: since 2026-12-05 the quality
+#           recipe on ids sampled from the model); the family-rtn arms were named default* before that
 EDGEQ_ARMS = {
-    "default": ("w4a16-g128", None, "family", None, None, None),
-    "default-bf16": ("w4a16-g128", None, "family", "bf16", None, None),
+    "default": (None, None, "default", None, None, None),
+    "family-rtn": ("w4a16-g128", "rtn", "family", None, None, None),  # `--method rtn`: the quick conversion
+    "family-rtn-bf16": ("w4a16-g128", "rtn", "family", "bf16", None, None),
     "rtn-g128": ("w4a16-g128", "rtn", "uniform", "bf16", None, None),
     "clip-g128": ("w4a16-g128", "clip", "uniform", "bf16", None, None),
-    "default-g64": ("w4a16-g64", None, "family", "bf16", None, None),
+    "family-rtn-g64": ("w4a16-g64", "rtn", "family", "bf16", None, None),
     "rtn-g32": ("w4a16-g32", "rtn", "uniform", "bf16", None, None),
     "gptq": ("w4a16-g128", "gptq", "family", "bf16", None, None),
     "gptq-g32": ("w4a16-g32", "gptq", "uniform", "bf16", None, None),
-    "default-packed": ("w4a16-g128", None, "family", "packed", None, None),
+    "family-rtn-packed": ("w4a16-g128", "rtn", "family", "packed", None, None),
     "gptq-packed": ("w4a16-g128", "gptq", "family", "packed", None, None),
     "head2": ("w4a16-g128", None, "family", "packed", None, 2),
     "gptq-self": ("w4a16-g128", "gptq", "family", "packed", "self", None),
@@ -152,6 +156,10 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None, mode
               text: str | None = None) -> tuple[int, int, F.FidelityReport]:
     """(counted bytes, bytes of the checkpoint's *.safetensors, report) of one edgeq arm."""
     scheme, method, recipe, embeddings, calib, head_levels = EDGEQ_ARMS[label]
+    if recipe == "default":  # the command's own choice for this model (or the family recipe, rtn)
+        chosen = default_choice(model, None)
+        scheme, recipe, calib = (str(chosen.scheme) if chosen.scheme else None, chosen.recipe or "family", chosen.calib)
+        method = "gptq" if chosen.recipe else "rtn"
     out = tmp / label
     recipe_arg = (str(uniform_recipe(tmp / "uniform.toml")) if recipe == "uniform"
                   else None if recipe == "family" else recipe)  # else a named recipe (edgeq recipes)
@@ -164,7 +172,7 @@ def edgeq_arm(label: str, tmp: Path, ref, ctx: int, max_tokens: int | None, mode
     extra = {"embeddings": embeddings} if embeddings else {}  # only then: runs on an edgeq without --embeddings too
     if head_levels:
         extra["head_levels"] = head_levels
-    convert(model, out, scheme=Scheme.parse(scheme), method=method, recipe=recipe_arg, gptq=gptq, **extra)
+    convert(model, out, scheme=Scheme.parse(scheme) if scheme else None, method=method, recipe=recipe_arg, gptq=gptq, **extra)
     files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     return edgeq_bytes(out), files, F.compare(ref, load(out), text=text, ctx=ctx, max_tokens=max_tokens)
 

@@ -80,3 +80,24 @@ def test_quantised_input_is_left_to_the_ingest_path(llama, tmp_path):
     src = _config(llama, tmp_path, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32})
     c = default_choice(src, None)
     assert (c.recipe, c.scheme, c.why) == (None, None, "")
+
+
+@pytest.mark.parametrize("capability, flags, dtype, expected", [
+    ("AVX2", {"amx_bf16", "avx512f"}, "bf16", "eager"),  # torch's bf16 SDPA packs for AMX, then refuses under avx2
+    ("DEFAULT", {"amx_bf16"}, "bf16", "eager"),
+    ("AVX512", {"amx_bf16"}, "bf16", "sdpa"),
+    ("AVX2", {"amx_bf16"}, "fp32", "sdpa"),  # no AMX packing for fp32
+    ("AVX2", {"avx512f", "avx512_bf16"}, "bf16", "sdpa"),  # Zen 4 forced to avx2: no AMX, no packing
+])
+def test_the_calibration_model_avoids_sdpa_where_torch_refuses_it(monkeypatch, capability, flags, dtype, expected):
+    """The default command's sampling and GPTQ forward passes build transformers models with this attention; on an
+    AMX CPU under ATEN_CPU_CAPABILITY=avx2 sdpa raised "pack_vnni2 is only supported when avx512 is supported" (the
+    end-to-end case: test_faults_write.py's summary-line test, which runs the default command under avx2)."""
+    import torch
+
+    from edgeq import cpu
+    from edgeq.io import skeleton
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset(flags))
+    assert skeleton.attention({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]) == expected

@@ -51,6 +51,7 @@ from torch import nn
 
 from edgeq.convert import passes, tails
 from edgeq.io.hf import Checkpoint, open_checkpoint
+from edgeq.io.skeleton import attention
 from edgeq.errors import EdgeqError
 from edgeq.keys import HEAD_MODULE
 from edgeq.quantize.gptq import GROUP_PARAMS, GPTQResult, concat_rows, gptq_quantize
@@ -95,7 +96,7 @@ def _build_skeleton(model_dir: Path, dtype: torch.dtype):
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --method rtn"
         )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(dtype), dtype=dtype)
     model.requires_grad_(False)
     return config, model
 

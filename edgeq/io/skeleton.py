@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from edgeq import cpu
 from edgeq.errors import EdgeqError
 from edgeq.io.manifest import read_json
 
@@ -49,12 +50,23 @@ def load_config(directory):
                          f"config.json from the source model") from e
 
 
+def attention(dtype: torch.dtype) -> str:
+    """The attention transformers should build: "sdpa", or "eager" where torch's bf16 SDPA fails. It fails on a CPU
+    with AMX-BF16 whose torch dispatch is forced below AVX512 (``ATEN_CPU_CAPABILITY=avx2`` or ``default``): the
+    flash-attention kernel still packs its blocks for AMX, and the packing routine of the lower capability refuses
+    ("pack_vnni2 is only supported when avx512 is supported"). Measured with torch 2.13.0 on an Intel Xeon with AMX:
+    bf16 [2, 4, 64, 32] and every larger shape fail under avx2 and default, pass under avx512; [1, 1, 16, 32] passes."""
+    forced_low = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT")
+    return "eager" if dtype == torch.bfloat16 and forced_low and "amx_bf16" in cpu.flags() else "sdpa"
+
+
 def build_meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """The model class for ``config`` with every parameter on the meta device; sdpa attention where supported."""
+    """The model class for ``config`` with every parameter on the meta device; sdpa attention where supported (and
+    where it runs: :func:`attention`)."""
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # edgeq's own; transformers must not try to apply a quantizer
     last = None
-    for attn in ("sdpa", "eager"):
+    for attn in dict.fromkeys((attention(dtype), "eager")):
         try:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
