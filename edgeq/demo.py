@@ -52,12 +52,17 @@ class DemoReport:
     kept: str | None
     prompt_tokens: int = 0
     speed_basis: str = SPEED_BASIS
+    recipe: str = ""
 
 
-def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path | None = None,
+def run_demo(scheme: str | None = None, method: str | None = None, keep: Path | None = None,
              max_tokens: int = 32, fidelity_tokens: int | None = 4096,
              progress: Callable[[str], None] | None = None) -> DemoReport:
-    """The whole pipeline on the bundled model; ``progress(line)`` hears each step as it starts."""
+    """The whole pipeline on the bundled model; ``progress(line)`` hears each step as it starts. Without ``method`` it
+    converts as the plain ``edgeq quantize`` does (edgeq/convert/default.py: the ``quality`` recipe on ids sampled
+    from the model, w4a16-g256 for this model; ``scheme`` the base group if given)."""
+    from edgeq.convert.calibrated import GPTQOptions
+    from edgeq.convert.default import default_choice
     from edgeq.convert.pipeline import convert
     from edgeq.fidelity.checkpoints import run_fidelity
     from edgeq.inspect.report import inspect_checkpoint
@@ -66,11 +71,16 @@ def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path |
     from edgeq.scheme import Scheme
 
     say = progress or (lambda _line: None)
-    parsed = Scheme.parse(scheme)  # before any step: a typo fails at once
+    parsed = Scheme.parse(scheme) if scheme is not None else None  # before any step: a typo fails at once
+    chosen = default_choice(DEMO_MODEL, parsed) if method is None else None
+    recipe, gptq = (chosen.recipe, GPTQOptions(calib=chosen.calib)) if chosen and chosen.recipe else (None, None)
+    parsed = chosen.scheme if recipe else parsed
     with tempfile.TemporaryDirectory(prefix="edgeq-demo-") as tmp:
-        out = Path(keep) if keep else Path(tmp) / f"tiny-prose-{scheme}"
-        say(f"[1/{STEPS}] quantize {DEMO_MODEL.name} -> {parsed} ({out})")
-        conv = convert(DEMO_MODEL, out, scheme=parsed, method=method, force=keep is not None)
+        out = Path(keep) if keep else Path(tmp) / f"tiny-prose-{parsed or 'recipe'}"
+        say(f"[1/{STEPS}] quantize {DEMO_MODEL.name} -> {parsed or 'the recipe scheme'} "
+            f"({f'recipe {recipe}, ' if recipe else ''}{out})")
+        conv = convert(DEMO_MODEL, out, scheme=parsed, method=method, recipe=recipe, gptq=gptq,
+                       force=keep is not None)
         say(f"[2/{STEPS}] inspect {out.name}")
         info = inspect_checkpoint(out)
         say(f"[3/{STEPS}] fidelity vs the bf16 original on up to {fidelity_tokens or 'all'} held-out tokens")
@@ -83,7 +93,7 @@ def run_demo(scheme: str = "w4a16-g128", method: str | None = None, keep: Path |
         say(f"[5/{STEPS}] generate {max_tokens} tokens (timed)")
         gen = generate(lm, DEMO_PROMPT, params)
         return DemoReport(
-            model=str(DEMO_MODEL), scheme=conv.scheme, method=conv.method, bytes_in=conv.bytes_in,
+            model=str(DEMO_MODEL), scheme=conv.scheme, method=conv.method, recipe=conv.recipe, bytes_in=conv.bytes_in,
             bytes_out=conv.bytes_out, convert_seconds=conv.seconds,
             head_quantized=bool(info.edgeq and info.edgeq.head_quantized),
             layout_matches=bool(info.edgeq and info.edgeq.layout_matches),

@@ -53,7 +53,7 @@ def commands():
                   "[default: torch's default, one per physical core]"]),
     ("serve", ["[default: 127.0.0.1]", "[default: 8000]", "[default: 1MiB]", "[default: 8]",
                "[default: the checkpoint directory's name]"]),
-    ("demo", ["[default: w4a16-g128]", "[default: 32]", "[default: 4096]"]),
+    ("demo", ["[default: as edgeq quantize: w4a16-g256 for the bundled model]", "[default: 32]", "[default: 4096]"]),
 ])
 def test_help_shows_the_defaults(command, expected, capsys):
     code, out, _ = run([command, "--help"], capsys)
@@ -383,3 +383,4 @@ def test_demo_reports_progress_and_labels_single_shot_speeds(capsys):
     assert "warm up" in steps[3] and "(timed)" in steps[4] and "window 1/" in err
     assert "single shot: one timed generation after one untimed warm-up" in out
     assert "s (one run)" in out
+    assert "-> w4a16-g256 (gptq, recipe quality)" in out  # as the plain `edgeq quantize` converts it

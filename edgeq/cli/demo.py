@@ -12,8 +12,11 @@ from edgeq.console import emit, out, say
 
 
 def demo(
-    scheme: str = typer.Option("w4a16-g128", "--scheme", help="Scheme to quantise with."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn | clip | minmax | gptq | gptqmodel (as edgeq quantize) [default: the recipe's]."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="Scheme to quantise with [default: as edgeq quantize: "
+                                         "w4a16-g256 for the bundled model]."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn | clip | minmax | gptq | gptqmodel (as edgeq "
+                                         "quantize) [default: as edgeq quantize: the quality recipe's gptq on ids "
+                                         "sampled from the model]."),
     keep: Optional[Path] = typer.Option(None, "--keep", help="Keep the quantised checkpoint in this directory "
                                         "[default: a temporary directory, removed]."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate."),
@@ -32,7 +35,7 @@ def demo(
 def render(r) -> None:
     """The summary of a :class:`edgeq.demo.DemoReport` on stdout, one line per step."""
     mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-    out.print(f"[bold]edgeq demo[/bold]: bundled tiny-prose model (trained Llama, 4 layers, tied head) -> {r.scheme} ({r.method})")
+    out.print(f"[bold]edgeq demo[/bold]: bundled tiny-prose model (trained Llama, 4 layers, tied head) -> {r.scheme} ({r.method}, recipe {r.recipe})")
     out.print(f"  quantize  {mib(r.bytes_in)} -> {mib(r.bytes_out)} ({r.bytes_in / r.bytes_out:.2f}x) in {r.convert_seconds:.1f} s (one run); "
               f"head quantised: {r.head_quantized}; {r.effective_bits:.2f} bits/weight")
     out.print(f"  inspect   layout matches this machine: {r.layout_matches}; projected serving memory "
