@@ -4,7 +4,7 @@
 A float checkpoint of a family edgeq's GPTQ calibrates (llama, mistral, qwen2, qwen3) gets the ``quality`` recipe
 calibrated on ids sampled from the model itself (``--recipe quality --calib self``): the arm that beats llama.cpp's
 Q4_K_M on mean KLD at no more bytes without data (docs/results.md, "Quality per byte"), at a longer conversion (GPTQ:
-~7.6x ``rtn``'s time on 2 AMX cores, ~18-20x on 2 Zen 4 cores for a 1B model). Everything else keeps its family
+~6.7-8x ``rtn``'s time on 2 AMX cores, ~18-20x on 2 Zen 4 cores for a 1B model). Everything else keeps its family
 recipe: GPTQ input (repacked exactly), W4A8 schemes, families GPTQ cannot calibrate, and configs with no token to
 start sampling from; :attr:`DefaultChoice.why` says which, for one line on stderr. ``--method rtn`` is the quick
 conversion.
