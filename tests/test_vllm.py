@@ -2,9 +2,10 @@
 
 - Slicing and split rules (edgeq/integrations/vllm_slices.py): pure torch, run in every environment.
 - Serving (skipped without vLLM; CI runs them in the second environment, .ci/run): the bundled model quantised with
-  `edgeq quantize --scheme w4a16-g128` and `--scheme w4a8-g128` (bf16 embeddings) and `--scheme w4a16-g128
-  --embeddings packed` (the table as the head's 4-bit level plus a residual, no bf16 copy; and, from an untied copy
-  of the model, the table's own two levels), served by vLLM's offline
+  `edgeq quantize --method rtn --scheme w4a16-g128` and `--scheme w4a8-g128` (bf16 embeddings) and `--scheme
+  w4a16-g128 --embeddings packed` (the table as the head's 4-bit level plus a residual, no bf16 copy; and, from an
+  untied copy of the model, the table's own two levels), and by the plain `edgeq quantize` (the quality recipe: GPTQ,
+  g256 with finer first-layer groups, a two-level head), served by vLLM's offline
   ``LLM(...)`` with greedy sampling for 32 tokens on four prompts, against ``edgeq.runtime.load``; every case also
   reads vLLM's input embedding of every token id back from the engine, which must equal the runtime's bit for bit
   (the stored bf16 table, or the packed table's E); tensor_parallel_size=2 against 1 (packed: the head, the
@@ -62,17 +63,22 @@ MAX_TOKENS = 32
 # W4A8 quantises those slightly different activations to int8 per token, and a value that lands on the other side of
 # a rounding boundary moves by a whole int8 step (measured <= 0.134).
 TOLS = {"w4a16-g128": 0.1, "w4a8-g128": 0.25, "w4a16-g128-packed": 0.1, "w4a16-g128-packed-untied": 0.1,
-        "w4a16-g128-head2": 0.1}
+        "w4a16-g128-head2": 0.1, "default": 0.1}
 # the checkpoints: `edgeq quantize` arguments after the model and -o; the embedding storage is always explicit (the
 # recipe's default may change). "-untied": the bundled model with its own lm_head.weight (_untied_copy), whose
 # packed table stores both levels (model.embed_tokens + model.embed_tokens.residual)
-CHECKPOINTS = {"w4a16-g128": ["--scheme", "w4a16-g128", "--embeddings", "bf16"],
-               "w4a8-g128": ["--scheme", "w4a8-g128", "--embeddings", "bf16"],
-               "w4a16-g128-packed": ["--scheme", "w4a16-g128", "--embeddings", "packed"],
-               "w4a16-g128-packed-untied": ["--scheme", "w4a16-g128", "--embeddings", "packed"],
-               "w4a16-g128-head2": ["--scheme", "w4a16-g128", "--embeddings", "packed", "--head-levels", "2"]}
+# "default": the plain command (since 2026-12-05 the quality recipe, GPTQ on ids sampled from the model: w4a16-g256
+# with the first layer's MLP at g32/g64, packed table, two-level head); the others are the family recipe's rtn.
+CHECKPOINTS = {"w4a16-g128": ["--scheme", "w4a16-g128", "--method", "rtn", "--embeddings", "bf16"],
+               "w4a8-g128": ["--scheme", "w4a8-g128", "--method", "rtn", "--embeddings", "bf16"],
+               "w4a16-g128-packed": ["--scheme", "w4a16-g128", "--method", "rtn", "--embeddings", "packed"],
+               "w4a16-g128-packed-untied": ["--scheme", "w4a16-g128", "--method", "rtn", "--embeddings", "packed"],
+               "w4a16-g128-head2": ["--scheme", "w4a16-g128", "--method", "rtn", "--embeddings", "packed",
+                                    "--head-levels", "2"],
+               "default": ["--nsamples", "8", "--seqlen", "64"]}  # a short sampling: what is served is the point
 PACKED = "w4a16-g128-packed"
 HEAD2 = "w4a16-g128-head2"  # the head adds the packed table's residual level: logits = x @ (D0 + D1)^T
+TWO_LEVEL_HEADS = (HEAD2, "default")
 PROMPTS = ["The cat", "Once upon a time, in a small village,", "def main():\n    return", "Python is"]
 
 
@@ -414,7 +420,7 @@ def test_vllm_serves_the_runtimes_tokens(checkpoints, prompt_ids, scheme):
     E of the runtime, bit for bit)."""
     result, log = _served(checkpoints[scheme], 1, prompt_ids)
     _check_served(result, log, checkpoints[scheme], prompt_ids, tol=TOLS[scheme])
-    assert result["head_levels"] == [2 if scheme == HEAD2 else 1]  # the residual is summed, not silently dropped
+    assert result["head_levels"] == [2 if scheme in TWO_LEVEL_HEADS else 1]  # the residual is summed, not dropped
 
 
 @needs_vllm
