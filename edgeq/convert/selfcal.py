@@ -116,7 +116,7 @@ def _mapped_model(root: Path, want: torch.dtype | None = None):
     stored = {files.tensors[n].torch_dtype for n in files.names() if files.tensors[n].torch_dtype.is_floating_point}
     dtype = stored.pop() if len(stored) == 1 and stored <= {torch.bfloat16, torch.float32} else torch.bfloat16
     dtype = want or dtype
-    model = skeleton.build_meta_model(config, dtype)
+    model = skeleton.build_meta_model(config, dtype, attn=skeleton.attention(dtype))
     stats = skeleton.attach(model, files, dtype, set(), tie_head=bool(getattr(config, "tie_word_embeddings", False)))
     return model, config, dtype, stats["copied"]
 

@@ -60,13 +60,14 @@ def attention(dtype: torch.dtype) -> str:
     return "eager" if dtype == torch.bfloat16 and forced_low and "amx_bf16" in cpu.flags() else "sdpa"
 
 
-def build_meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """The model class for ``config`` with every parameter on the meta device; sdpa attention where supported (and
-    where it runs: :func:`attention`)."""
+def build_meta_model(config, dtype: torch.dtype, attn: str = "sdpa") -> nn.Module:
+    """The model class for ``config`` with every parameter on the meta device; ``attn`` attention where supported,
+    else eager. The converter's sampler asks :func:`attention` for it (its forward passes run transformers'
+    attention); the runtime keeps sdpa, which its own prefill attention replaces where it runs."""
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # edgeq's own; transformers must not try to apply a quantizer
     last = None
-    for attn in dict.fromkeys((attention(dtype), "eager")):
+    for attn in dict.fromkeys((attn, "eager")):
         try:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
