@@ -28,8 +28,8 @@ _CALIB_HELP = ("--method gptq: calibration text, or 'self': token ids sampled fr
 _QUALITY_DEFAULT = ("default conversion: recipe quality, GPTQ on ids sampled from the model itself (no data needed; "
                     "mean KLD ~2.7x lower than `--method rtn` on the bundled model). `--method rtn` is the quick "
                     "conversion: for a 1B model on 2 cores, measured, ~1/7 of this one's time on an Intel Xeon with "
-                    "AMX and ~1/18-1/20 on AMD Zen 4, ~0.6-0.9 GiB peak against ~4; its checkpoint decodes up to ~12% "
-                    "faster (one head level fewer; docs/results.md)")
+                    "AMX and ~1/18-1/20 on AMD Zen 4, ~0.6-0.9 GiB peak against ~4; its checkpoint decoded 1.1-1.4x as "
+                    "fast on AMX (g128, one head level; docs/results.md)")
 _METHOD_HELP = ("rtn (least-squares scale/zero search; the quick conversion) | clip (min/max + clipping search) | "
                 "minmax | gptq (calibrated) | gptqmodel (GPTQModel's GPTQ, the gptq extra; ingested exactly). For GPTQ "
                 "input: the method of whatever is requantised. [default: with no --recipe either, the quality recipe's "
