@@ -14,6 +14,7 @@ arms 10-20x slower than 1 thread); run with OMP_WAIT_POLICY=PASSIVE there (print
                                                               # arms aten, native, read (the memory roof)
     python benchmarks/bench_kernel.py --arms aten,avx512,avx2 --m 1 --passes 7 --json /tmp/kernel.json
     python benchmarks/bench_kernel.py --model llama-3.2-1b
+    python benchmarks/bench_kernel.py --only down --group 256 --m 1   # one kind of matrix: every layer's down_proj
     python benchmarks/bench_kernel.py --arms avx2:narrow,avx2 --m 8,512   # ISA:TILES -> native.int4_mm(prefill=TILES)
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_kernel.py   # on a machine other processes also use
 """
@@ -139,6 +140,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model (less memory; keep > 300 MB)")
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--only", default=None, help="only these matrix kinds of the step, e.g. down or gate,up (every "
+                    "layer's; GB/s and ms then count those matrices alone)")
     ap.add_argument("--m", default="1,4,8", help="activation rows, comma separated")
     ap.add_argument("--arms", default="aten,native,read",
                     help="aten, native (auto ISA), amx, avx512, avx2, scalar; read = a plain read of the same bytes")
@@ -152,7 +155,10 @@ def main() -> None:
     st = native.status()
     if any(arm not in ("aten", "read") for arm in arms) and not st["available"]:
         raise SystemExit(f"native kernel unavailable: {st['reason']}")
-    mats = make_weights(step_shapes(a.model, a.layers), a.group)
+    shapes = [sh for sh in step_shapes(a.model, a.layers) if not a.only or sh[0].rstrip("0123456789") in a.only.split(",")]
+    if not shapes:
+        raise SystemExit(f"--only {a.only}: no matrix of that kind; kinds: q, k, v, o, gate, up, down, head")
+    mats = make_weights(shapes, a.group)
     nbytes = packed_bytes(mats)
     check(arms, mats, a.group)
     load_before = os.getloadavg()
